@@ -1,0 +1,33 @@
+# The two commands: `make run` starts the embedded stack, `make test` runs every check.
+# Both install what they need into .venv first (re-done when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint typecheck unit install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/sluice dev
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .sluice .mypy_cache .ruff_cache .pytest_cache

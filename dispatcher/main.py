@@ -1,0 +1,45 @@
+"""Entry point: `sluice dispatcher`. One process serves one pool, as one member of that pool's group."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from prometheus_client import start_http_server
+
+from dispatcher.service import Dispatcher
+from dispatcher.settings import DispatcherSettings
+from queue_schemas.clients import (
+    configure_logging,
+    consumer_options,
+    producer_options,
+    redis_client,
+    with_backoff,
+)
+
+
+async def serve(settings: DispatcherSettings) -> None:
+    settings.load_pools().pool(settings.pool)  # fail fast on an unknown pool
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    redis = redis_client(settings)
+    consumer = AIOKafkaConsumer(**consumer_options(settings, settings.names.dispatcher_group(settings.pool)))
+    producer = AIOKafkaProducer(**producer_options(settings))
+    await with_backoff(consumer.start, "kafka consumer start")
+    await with_backoff(producer.start, "kafka producer start")
+    try:
+        await Dispatcher(settings, redis).run(consumer, producer, stop)
+    finally:
+        await consumer.stop()
+        await producer.stop()
+        await redis.aclose()
+
+
+def run(settings: DispatcherSettings) -> None:
+    configure_logging(settings, "dispatcher")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr="127.0.0.1")
+    asyncio.run(serve(settings))

@@ -1,0 +1,1 @@
+"""Workers: read placed requests from a Redis Stream inbox, run them on an engine, stream tokens back."""

@@ -1,0 +1,50 @@
+"""The engine interface every backend implements (simulated now; vLLM behind the same calls)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from queue_schemas.messages import FinishReason, InferenceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """New text since the previous output of the same request; the last one has finish_reason set."""
+
+    text: str
+    num_tokens: int
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    running: int
+    waiting: int
+    decode_tokens_per_s: float
+
+
+class EngineError(Exception):
+    """The engine failed on one request; the worker reports it to that request's client."""
+
+
+class Engine(Protocol):
+    async def start(self) -> None:
+        """Load the model; returns when the engine can take requests."""
+        ...
+
+    def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
+        """Stream outputs for one request. Closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def close(self) -> None: ...

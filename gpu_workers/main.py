@@ -1,0 +1,42 @@
+"""Entry point: `sluice worker`."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from prometheus_client import start_http_server
+
+from gpu_workers.engine import Engine
+from gpu_workers.settings import WorkerSettings
+from gpu_workers.simulated import SimulatedEngine
+from gpu_workers.worker import Worker
+from queue_schemas.clients import configure_logging, redis_client
+from queue_schemas.config import PoolConfig
+
+
+def build_engine(pool: PoolConfig) -> Engine:
+    if pool.engine == "simulated":
+        return SimulatedEngine(pool.simulated, pool.block_size)
+    raise ValueError(f"pool {pool.name}: unknown engine {pool.engine!r}")
+
+
+async def serve(settings: WorkerSettings) -> None:
+    pool = settings.load_pools().pool(settings.pool)
+    redis = redis_client(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    worker = Worker(settings, build_engine(pool), redis, pool.model, pool.simulated.max_running)
+    try:
+        await worker.run(stop)
+    finally:
+        await redis.aclose()
+
+
+def run(settings: WorkerSettings) -> None:
+    configure_logging(settings, "worker")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr="127.0.0.1")
+    asyncio.run(serve(settings))

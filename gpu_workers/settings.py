@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+
+from queue_schemas.settings import BusSettings
+
+
+def default_worker_id() -> str:
+    host = socket.gethostname().split(".")[0].lower()
+    cleaned = "".join(c if c.isalnum() or c in "-_" else "-" for c in host) or "worker"
+    return f"{cleaned}-{os.getpid()}"
+
+
+class WorkerSettings(BusSettings):
+    pool: str = "sim"
+    worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[a-z0-9][a-z0-9_\-]*$")
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_ttl_ms: int = Field(default=3_000, gt=0)
+    flush_interval_ms: float = Field(default=15.0, ge=0, description="how long token deltas are coalesced")
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")

@@ -1,0 +1,108 @@
+"""A model-free engine: deterministic text, a timing model, and real KV block accounting.
+
+Tokens are UTF-8 bytes (the `bytes` tokenizer), and the text is ASCII, so one character is one token.
+Time to first token grows with the prompt length; each further token costs `token_ms`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+
+from gpu_workers.engine import EngineError, EngineOutput, EngineStats
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.messages import FinishReason, InferenceRequest
+
+_WORDS = (
+    "the", "queue", "moves", "tokens", "from", "prompt", "to", "answer", "while", "workers", "keep",
+    "their", "caches", "warm", "and", "every", "request", "finds", "a", "place", "on", "a", "replica",
+    "with", "room", "to", "spare", "so", "nothing", "waits", "for", "long",
+)  # fmt: skip
+
+
+def reply_text(request: InferenceRequest) -> str:
+    """The deterministic answer to a prompt: words picked by a hash of the prompt, about 12-40 words."""
+    digest = hashlib.sha256(bytes(t % 256 for t in request.prompt_token_ids)).digest()
+    n_words = 12 + digest[0] % 29
+    words = [_WORDS[(digest[i % len(digest)] + i * 7) % len(_WORDS)] for i in range(n_words)]
+    return " ".join(words).capitalize() + "."
+
+
+def apply_stops(text: str, max_tokens: int, stops: tuple[str, ...]) -> tuple[str, FinishReason]:
+    """Cut the answer at the earliest stop sequence (excluded) or at max_tokens characters."""
+    cut, reason = len(text), FinishReason.STOP
+    for stop in stops:
+        at = text.find(stop)
+        if 0 <= at < cut:
+            cut = at
+    if cut > max_tokens:
+        cut, reason = max_tokens, FinishReason.LENGTH
+    return text[:cut], reason
+
+
+class SimulatedEngine:
+    def __init__(self, config: SimulatedEngineConfig, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+        self._blocks_used: dict[str, int] = {}
+        self._running: set[str] = set()
+        self._waiting = 0
+        self._slots = asyncio.Semaphore(config.max_running)
+        self._decoded: list[tuple[float, int]] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def abort(self, request_id: str) -> None:
+        # Closing the generator aborts; nothing else holds the request.
+        return None
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self._block_size)
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        self._decoded = [(t, n) for t, n in self._decoded if now - t < 5.0]
+        used = sum(self._blocks_used.values())
+        return EngineStats(
+            kv_blocks_total=self._config.kv_blocks,
+            kv_blocks_free=max(0, self._config.kv_blocks - used),
+            block_size=self._block_size,
+            running=len(self._running),
+            waiting=self._waiting,
+            decode_tokens_per_s=sum(n for _, n in self._decoded) / 5.0,
+        )
+
+    async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
+        prompt_tokens = len(request.prompt_token_ids)
+        if self._blocks_for(prompt_tokens + request.sampling.max_tokens) > self._config.kv_blocks:
+            raise EngineError("prompt and max_tokens exceed the engine's KV capacity")
+        text, reason = apply_stops(reply_text(request), request.sampling.max_tokens, request.sampling.stop)
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        rid = request.request_id
+        self._running.add(rid)
+        try:
+            # Prefill: a fixed cost plus a little per prompt token.
+            await asyncio.sleep((self._config.ttft_ms + prompt_tokens * 0.002) / 1000)
+            for i, ch in enumerate(text):
+                if i:
+                    await asyncio.sleep(self._config.token_ms / 1000)
+                self._blocks_used[rid] = self._blocks_for(prompt_tokens + i + 1)
+                self._decoded.append((time.monotonic(), 1))
+                last = i == len(text) - 1
+                yield EngineOutput(ch, 1, reason if last else None, prompt_tokens)
+            if not text:
+                yield EngineOutput("", 0, reason, prompt_tokens)
+        finally:
+            self._running.discard(rid)
+            self._blocks_used.pop(rid, None)
+            self._slots.release()

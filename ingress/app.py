@@ -1,0 +1,69 @@
+"""The FastAPI application: lifespan owns the bus clients; handlers live in ingress.routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+from aiokafka import AIOKafkaProducer
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ingress.context import IngressContext
+from ingress.errors import ApiError, MethodNotAllowed, NotFound
+from ingress.routes import router
+from ingress.settings import IngressSettings
+from ingress.streams import StreamHub
+from ingress.tokenizer import tokenizer_for
+from queue_schemas.clients import producer_options, redis_client, with_backoff
+
+log = structlog.get_logger("sluice.ingress")
+
+
+def create_app(settings: IngressSettings) -> FastAPI:
+    pools = settings.load_pools()
+    tokenizers = {pool.name: tokenizer_for(pool) for pool in pools.pools}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = redis_client(settings)
+        hub = StreamHub(redis, f"{settings.prefix}:ingress:control")
+        producer = AIOKafkaProducer(**producer_options(settings))
+        await with_backoff(producer.start, "kafka producer start")
+        await hub.start()
+        app.state.ctx = IngressContext(settings, pools, tokenizers, redis, hub, producer)
+        log.info("ingress ready", pools=[p.name for p in pools.pools])
+        try:
+            yield
+        finally:
+            await hub.close()
+            await producer.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="sluice ingress", lifespan=lifespan, openapi_url="/openapi.json", docs_url=None)
+    app.include_router(router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err: ApiError
+        if exc.status_code == 405:
+            err = MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
+        elif exc.status_code == 404:
+            err = NotFound(f"Unknown path {request.url.path}.", code="unknown_url")
+        else:
+            err = ApiError(str(exc.detail))
+            err.status = exc.status_code
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", error_type=type(exc).__name__)
+        return JSONResponse(ApiError("The server had an error while processing your request.").body(), 500)
+
+    return app

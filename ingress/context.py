@@ -1,0 +1,61 @@
+"""Everything a request handler needs, built once in the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from ingress.admission import partition_key
+from ingress.errors import ServiceUnavailable
+from ingress.settings import IngressSettings
+from ingress.streams import StreamHub
+from ingress.tokenizer import ChatTokenizer
+from queue_schemas.codec import encode
+from queue_schemas.config import SluiceConfig
+from queue_schemas.messages import CancelNotice, InferenceRequest
+
+log = structlog.get_logger("sluice.ingress")
+
+CANCEL_MARK_TTL_MS = 10 * 60 * 1000
+
+
+@dataclass
+class IngressContext:
+    settings: IngressSettings
+    pools: SluiceConfig
+    tokenizers: dict[str, ChatTokenizer]
+    redis: aioredis.Redis
+    hub: StreamHub
+    producer: AIOKafkaProducer
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def publish(self, request: InferenceRequest) -> None:
+        topic = self.settings.names.requests_topic(request.pool)
+        try:
+            await self.producer.send_and_wait(topic, encode(request), key=partition_key(request))
+        except KafkaError as exc:
+            raise ServiceUnavailable("The request queue is unreachable; retry shortly.") from exc
+
+    def cancel_soon(self, request_id: str, reason: str) -> None:
+        """Tell dispatchers and workers to drop the request; detached, so a dying handler still sends it."""
+        task = asyncio.create_task(self._cancel(request_id, reason))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        names = self.settings.names
+        notice = CancelNotice(request_id=request_id, reason=reason, sent_at=time.time())
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(names.cancelled(request_id), reason, px=CANCEL_MARK_TTL_MS)
+                pipe.publish(names.cancel_channel(), encode(notice))
+                await pipe.execute()
+        except RedisError as exc:
+            log.warning("cancel notice not sent", request_id=request_id, error=str(exc))

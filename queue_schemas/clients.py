@@ -1,0 +1,100 @@
+"""How every service builds its bus clients from BusSettings, so they all agree on timeouts and limits.
+
+Construction only: nothing here connects until the caller starts the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import structlog
+
+from queue_schemas.settings import BusSettings
+
+T = TypeVar("T")
+log = structlog.get_logger("sluice.clients")
+
+
+def redis_client(settings: BusSettings) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        socket_connect_timeout=2.0,
+        health_check_interval=15,
+        retry_on_timeout=False,
+    )
+
+
+def producer_options(settings: BusSettings) -> dict[str, Any]:
+    # Tansu cannot do InitProducerId, so no idempotent producer: consumers de-duplicate by request id.
+    return {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "acks": "all",
+        "enable_idempotence": False,
+        "linger_ms": 0,
+        "request_timeout_ms": settings.kafka_request_timeout_ms,
+    }
+
+
+def consumer_options(settings: BusSettings, group_id: str | None) -> dict[str, Any]:
+    return {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "fetch_max_wait_ms": settings.kafka_fetch_wait_ms,
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        "heartbeat_interval_ms": settings.kafka_heartbeat_interval_ms,
+        "request_timeout_ms": max(
+            settings.kafka_request_timeout_ms, settings.kafka_session_timeout_ms + 5000
+        ),
+    }
+
+
+async def with_backoff(
+    action: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    attempts: int = 30,
+    first_delay: float = 0.1,
+    max_delay: float = 2.0,
+) -> T:
+    """Run `action` until it succeeds, sleeping with jittered exponential backoff between failures."""
+    delay = first_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return await action()
+        except Exception as exc:
+            if attempt == attempts:
+                raise
+            log.warning("retrying", what=what, attempt=attempt, error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, max_delay)
+    raise AssertionError("unreachable")
+
+
+def configure_logging(settings: BusSettings, service: str) -> None:
+    """structlog to stderr, key=value for people or JSON lines for collectors."""
+    level = getattr(logging, settings.log_level.upper())
+    logging.basicConfig(level=level, format="%(message)s")
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if settings.log_json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service)

@@ -1,0 +1,95 @@
+"""The pool configuration file: which models are served, by which engine, with which limits.
+
+One TOML file describes every pool; every service reads the same file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from queue_schemas.messages import Name
+
+DEFAULT_CONFIG = "default_pools.toml"
+
+
+class SimulatedEngineConfig(BaseModel):
+    """Timing of the simulated engine: no model, deterministic text, real KV block accounting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float = Field(default=40.0, ge=0.0)
+    token_ms: float = Field(default=8.0, ge=0.0)
+    kv_blocks: int = Field(default=4096, gt=0)
+    max_running: int = Field(default=64, gt=0)
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Name
+    model: str = Field(min_length=1, description="the model name clients send")
+    engine: Literal["simulated"] = "simulated"
+    tokenizer: Literal["bytes"] = Field(
+        default="bytes", description="`bytes`: UTF-8 bytes as token ids, the simulated engine's tokenizer"
+    )
+    context_tokens: int = Field(default=8192, gt=0)
+    default_max_tokens: int = Field(default=256, gt=0)
+    block_size: int = Field(default=16, gt=0)
+    partitions: int = Field(default=4, gt=0)
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    replicas: int = Field(default=1, ge=0, description="replicas the dev stack starts")
+    simulated: SimulatedEngineConfig = SimulatedEngineConfig()
+
+
+class SluiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pools: tuple[PoolConfig, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Self:
+        for attr in ("name", "model"):
+            values = [getattr(p, attr) for p in self.pools]
+            duplicated = sorted({v for v in values if values.count(v) > 1})
+            if duplicated:
+                raise ValueError(f"pool {attr}s must be unique; repeated: {', '.join(duplicated)}")
+        return self
+
+    def pool_for_model(self, model: str) -> PoolConfig | None:
+        return next((p for p in self.pools if p.model == model), None)
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pool named {name!r}; configured: {', '.join(p.name for p in self.pools)}")
+
+
+class ConfigError(ValueError):
+    """The configuration file is missing or invalid; the message says where."""
+
+
+def parse_config(text: str, source: str = "<string>") -> SluiceConfig:
+    try:
+        return SluiceConfig.model_validate(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(path: Path | None) -> SluiceConfig:
+    """Read the pool file at `path`, or the packaged default (one simulated pool) when None."""
+    if path is None:
+        text = resources.files("queue_schemas").joinpath(DEFAULT_CONFIG).read_text()
+        return parse_config(text, DEFAULT_CONFIG)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read pool configuration {path}: {exc.strerror}") from None
+    return parse_config(text, str(path))

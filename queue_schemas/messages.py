@@ -1,0 +1,189 @@
+"""Message models that cross the bus (Kafka topics, Redis streams and channels).
+
+Every message carries the schema version `v`; a consumer rejects versions it does not know
+(see queue_schemas.codec) instead of guessing at their meaning.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION: Literal[1] = 1
+
+RequestId = Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_\-]*$")]
+
+
+class Message(BaseModel):
+    """Base for wire messages: strict about unknown fields and immutable once built."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+
+
+class Priority(StrEnum):
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class ReplyMode(StrEnum):
+    STREAM = "stream"  # token chunks over the Redis channel stream:<request_id>
+    KAFKA = "kafka"  # one InferenceResult on reply_topic
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+
+
+class InferenceRequest(Message):
+    """One admitted request, produced to requests.<pool> (or batch.<pool>)."""
+
+    request_id: RequestId
+    pool: Name
+    model: str = Field(min_length=1, max_length=256)
+    team: Name
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    block_hashes: tuple[str, ...] = ()
+    sampling: SamplingParams
+    priority: Priority = Priority.INTERACTIVE
+    reply: ReplyMode = ReplyMode.STREAM
+    reply_topic: str | None = None
+    created_at: float = Field(description="epoch seconds when ingress admitted the request")
+    deadline: float = Field(description="epoch seconds after which the request is abandoned")
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class TokenChunk(Message):
+    """Coalesced output tokens of one request, in order by seq."""
+
+    kind: Literal["tokens"] = "tokens"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    text: str
+    num_tokens: int = Field(ge=0)
+
+
+class FinalChunk(Message):
+    """The last chunk of a successful request: the remaining text, why it ended, and its usage."""
+
+    kind: Literal["final"] = "final"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    text: str = ""
+    num_tokens: int = Field(default=0, ge=0)
+    finish_reason: FinishReason
+    usage: Usage
+    worker_id: str
+
+
+class ErrorChunk(Message):
+    """The terminal chunk of a request that failed; `code` is one of queue_schemas.errors.ErrorCode."""
+
+    kind: Literal["error"] = "error"
+    request_id: RequestId
+    seq: int = Field(ge=0)
+    code: str
+    message: str
+
+
+StreamEvent = Annotated[TokenChunk | FinalChunk | ErrorChunk, Field(discriminator="kind")]
+
+
+class Heartbeat(Message):
+    """A worker's live state, refreshed about once a second under hb:<pool>:<worker> with a TTL."""
+
+    worker_id: Name
+    pool: Name
+    model: str
+    state: WorkerState
+    seq: int = Field(ge=0)
+    sent_at: float
+    ttl_ms: int = Field(gt=0)
+    kv_blocks_total: int = Field(ge=0)
+    kv_blocks_free: int = Field(ge=0)
+    block_size: int = Field(gt=0)
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    inbox_pending: int = Field(ge=0)
+    decode_tokens_per_s: float = Field(ge=0.0)
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    spec_decoding: bool = False
+    kv_index_seq: int = Field(default=0, ge=0)
+    started_at: float
+    load_seconds: float | None = None
+
+
+class CancelNotice(Message):
+    """Published on the cancel channel when a client goes away or a request must stop."""
+
+    request_id: RequestId
+    reason: str
+    sent_at: float
+
+
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    code: str
+    message: str
+
+
+class InferenceResult(Message):
+    """The complete answer to a request whose reply mode is Kafka."""
+
+    request_id: RequestId
+    team: Name
+    pool: Name
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    completed_at: float
+
+
+class DeadLetter(Message):
+    """A message a consumer could not use, with where it came from and why."""
+
+    source: str = Field(description="topic or stream the message was read from")
+    partition: int | None = None
+    offset: int | None = None
+    reason: str
+    payload: str = Field(
+        description="the raw bytes, decoded as UTF-8 with replacement, cut to a bounded size"
+    )
+    consumer: str
+    failed_at: float

@@ -1,0 +1,65 @@
+"""Every Kafka topic, consumer group, Redis key and channel name, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WORKER_INBOX_GROUP = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Names under one deployment prefix (default `sluice`), so several deployments can share a bus."""
+
+    prefix: str = "sluice"
+
+    # Kafka
+    def requests_topic(self, pool: str) -> str:
+        return f"{self.prefix}.requests.{pool}"
+
+    def batch_topic(self, pool: str) -> str:
+        return f"{self.prefix}.batch.{pool}"
+
+    def results_topic(self, team: str) -> str:
+        return f"{self.prefix}.results.{team}"
+
+    def deadletter_topic(self) -> str:
+        return f"{self.prefix}.deadletter"
+
+    def dispatcher_group(self, pool: str) -> str:
+        return f"{self.prefix}.dispatcher.{pool}"
+
+    # Redis keys
+    def api_key(self, key_sha256: str) -> str:
+        return f"{self.prefix}:apikey:{key_sha256}"
+
+    def team(self, team: str) -> str:
+        return f"{self.prefix}:team:{team}"
+
+    def heartbeat(self, pool: str, worker_id: str) -> str:
+        return f"{self.prefix}:hb:{pool}:{worker_id}"
+
+    def workers(self, pool: str) -> str:
+        return f"{self.prefix}:workers:{pool}"
+
+    def kv_index(self, worker_id: str) -> str:
+        return f"{self.prefix}:kv:{worker_id}"
+
+    def inbox(self, worker_id: str) -> str:
+        return f"{self.prefix}:inbox:{worker_id}"
+
+    def placement(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}"
+
+    def cancelled(self, request_id: str) -> str:
+        return f"{self.prefix}:cancelled:{request_id}"
+
+    # Redis pub/sub channels
+    def stream_channel(self, request_id: str) -> str:
+        return f"{self.prefix}:stream:{request_id}"
+
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}:cancel"
+
+    def heartbeat_channel(self, pool: str) -> str:
+        return f"{self.prefix}:hb:{pool}"

@@ -1,0 +1,1 @@
+"""The scaler: watches each pool's Kafka consumer lag (and, later, sizes the pool from it)."""

@@ -1,0 +1,46 @@
+"""Consumer-lag arithmetic. Pure.
+
+Lag of a partition = end offset - committed offset, as on Apache Kafka. Where the group has not
+committed, everything from the log start is lag (the dispatchers reset to earliest). The result is
+clamped at zero: the dev broker (Tansu) can report an end offset below the true one when the last
+batch held several records, and a negative lag is never meaningful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+def partition_lag(end_offset: int, committed: int | None, log_start: int = 0) -> int:
+    start = committed if committed is not None and committed >= 0 else log_start
+    return max(0, end_offset - start)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLag:
+    pool: str
+    topic: str
+    group: str
+    partitions: Mapping[int, int]
+    read_at: float
+
+    @property
+    def total(self) -> int:
+        return sum(self.partitions.values())
+
+
+def pool_lag(
+    pool: str,
+    topic: str,
+    group: str,
+    end_offsets: Mapping[int, int],
+    committed: Mapping[int, int | None],
+    log_starts: Mapping[int, int],
+    read_at: float,
+) -> PoolLag:
+    lags = {
+        p: partition_lag(end, committed.get(p), log_starts.get(p, 0))
+        for p, end in sorted(end_offsets.items())
+    }
+    return PoolLag(pool, topic, group, lags, read_at)
