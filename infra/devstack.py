@@ -124,6 +124,7 @@ class DevStack:
         asyncio.run(self._wait_workers_ready(bus, deadline_s=60))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
         (self.workdir / "dev.env").write_text("\n".join(endpoints.env_lines()) + "\n")
+        (self.workdir / "pids").write_text("".join(f"{p.name} {p.popen.pid}\n" for p in self.processes))
         return endpoints
 
     def _service_env(self, bus: BusSettings) -> dict[str, str]:

@@ -1,0 +1,70 @@
+"""Fixtures shared by every tier: the real broker and Redis-compatible server, started on free ports."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from infra.launcher import free_port, start_broker, start_redis
+from queue_schemas.codec import decode
+from queue_schemas.messages import DeadLetter
+from queue_schemas.names import Names
+from queue_schemas.settings import BusSettings
+
+# Short group timings: the dev broker joins a group in half the session timeout.
+FAST_KAFKA = {
+    "kafka_fetch_wait_ms": 5,
+    "kafka_session_timeout_ms": 3000,
+    "kafka_heartbeat_interval_ms": 500,
+}
+
+
+@dataclass(frozen=True)
+class Bus:
+    kafka_bootstrap: str
+    redis_url: str
+
+    def settings(self, cls: type[BusSettings] = BusSettings, **overrides: object) -> BusSettings:
+        """Settings under a fresh prefix, so tests sharing the bus never see each other's names."""
+        fields: dict[str, object] = {
+            "kafka_bootstrap": self.kafka_bootstrap,
+            "redis_url": self.redis_url,
+            "prefix": f"t{secrets.token_hex(4)}",
+            **FAST_KAFKA,
+        }
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
+    log_dir: Path = tmp_path_factory.mktemp("bus")
+    kafka_port, redis_port = free_port(), free_port()
+    broker = start_broker(kafka_port, log_dir)
+    redis = start_redis(redis_port, log_dir)
+    try:
+        yield Bus(f"127.0.0.1:{kafka_port}", f"redis://127.0.0.1:{redis_port}/0")
+    finally:
+        redis.stop()
+        broker.stop()
+
+
+async def read_dead_letters(kafka_bootstrap: str, names: Names, wait_ms: int = 3000) -> list[DeadLetter]:
+    """Everything on the dead-letter topic so far."""
+    consumer = AIOKafkaConsumer(
+        names.deadletter_topic(),
+        bootstrap_servers=kafka_bootstrap,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=5,
+    )
+    await consumer.start()
+    try:
+        batch = await consumer.getmany(timeout_ms=wait_ms)
+    finally:
+        await consumer.stop()
+    return [decode(DeadLetter, r.value) for records in batch.values() for r in records]

@@ -1,0 +1,93 @@
+"""Running the dispatcher and a simulated worker in-process against the real bus."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from dispatcher.service import Dispatcher
+from dispatcher.settings import DispatcherSettings
+from gpu_workers.settings import WorkerSettings
+from gpu_workers.simulated import SimulatedEngine
+from gpu_workers.worker import Worker
+from queue_schemas.clients import consumer_options, producer_options, redis_client
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.messages import InferenceRequest, SamplingParams
+from queue_schemas.settings import BusSettings
+from tests.conftest import Bus
+
+
+async def create_topics(settings: BusSettings, *topics: str, partitions: int = 2) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(t, partitions, 1) for t in topics])
+    finally:
+        await admin.close()
+
+
+def make_request(
+    pool: str, request_id: str, max_tokens: int = 12, deadline_s: float = 60
+) -> InferenceRequest:
+    now = time.time()
+    return InferenceRequest(
+        request_id=request_id, pool=pool, model="sluice-sim", team="dev", prompt_token_ids=tuple(range(50)),
+        sampling=SamplingParams(max_tokens=max_tokens), created_at=now, deadline=now + deadline_s,
+    )  # fmt: skip
+
+
+@dataclass
+class Pipeline:
+    settings: DispatcherSettings
+    redis: aioredis.Redis
+    producer: AIOKafkaProducer
+    worker_id: str
+
+
+async def _wait_ready(redis: aioredis.Redis, key: str) -> None:
+    for _ in range(200):
+        raw = await redis.get(key)
+        if raw and b'"state":"ready"' in raw:
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"no ready heartbeat at {key}")
+
+
+@contextlib.asynccontextmanager
+async def pipeline(bus: Bus, pool: str = "sim") -> AsyncIterator[Pipeline]:
+    """A dispatcher and one simulated worker for `pool`, under a fresh prefix; stopped on exit."""
+    settings = bus.settings(DispatcherSettings, pool=pool)
+    assert isinstance(settings, DispatcherSettings)
+    names = settings.names
+    await create_topics(settings, names.requests_topic(pool), names.deadletter_topic())
+    worker_settings = WorkerSettings(
+        **{**settings.model_dump(), "worker_id": "w0", "heartbeat_interval_s": 0.2}
+    )
+    redis = redis_client(settings)
+    engine = SimulatedEngine(SimulatedEngineConfig(ttft_ms=5, token_ms=1), block_size=16)
+    worker = Worker(worker_settings, engine, redis, "sluice-sim", max_running=16)
+    consumer = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group(pool)))
+    producer = AIOKafkaProducer(**producer_options(settings))
+    await consumer.start()
+    await producer.start()
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(worker.run(stop)),
+        asyncio.create_task(Dispatcher(settings, redis).run(consumer, producer, stop)),
+    ]
+    try:
+        await _wait_ready(redis, names.heartbeat(pool, "w0"))
+        yield Pipeline(settings, redis, producer, "w0")
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
+        await consumer.stop()
+        await producer.stop()
+        await redis.aclose()

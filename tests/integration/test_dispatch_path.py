@@ -1,0 +1,103 @@
+"""Dispatcher and worker on the real broker and Redis: placement, streaming, dead letters, redelivery."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio.client import PubSub
+
+from gpu_workers.simulated import reply_text
+from queue_schemas.codec import decode_stream_event, encode
+from queue_schemas.messages import ErrorChunk, FinalChunk, StreamEvent, TokenChunk
+from tests.conftest import Bus, read_dead_letters
+from tests.integration.helpers import make_request, pipeline
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+async def collect_events(
+    pubsub: PubSub, until_terminal: int = 1, within_s: float = 15.0
+) -> list[StreamEvent]:
+    """Stream events from the subscribed channel until `until_terminal` terminal chunks or `within_s`."""
+    events: list[StreamEvent] = []
+    terminal = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while terminal < until_terminal and loop.time() < deadline:
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+        if msg is None:
+            continue
+        event = decode_stream_event(msg["data"])
+        events.append(event)
+        if not isinstance(event, TokenChunk):
+            terminal += 1
+    return events
+
+
+async def test_request_is_placed_and_streamed_back(bus: Bus) -> None:
+    async with pipeline(bus) as p:
+        req = make_request("sim", "req-stream-0001", max_tokens=12)
+        async with p.redis.pubsub() as pubsub:
+            await pubsub.subscribe(p.settings.names.stream_channel(req.request_id))
+            await p.producer.send_and_wait(p.settings.names.requests_topic("sim"), encode(req), key=b"k")
+            events = await collect_events(pubsub)
+        final = events[-1]
+        assert isinstance(final, FinalChunk), events
+        text = "".join(e.text for e in events if isinstance(e, TokenChunk | FinalChunk))
+        assert text == reply_text(req)[:12]
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert final.usage.prompt_tokens == 50
+        assert final.usage.completion_tokens == 12
+        assert final.worker_id == p.worker_id
+
+
+async def test_malformed_messages_are_dead_lettered_and_the_dispatcher_carries_on(bus: Bus) -> None:
+    async with pipeline(bus) as p:
+        names = p.settings.names
+        topic = names.requests_topic("sim")
+        good = make_request("sim", "req-after-poison-01", max_tokens=5)
+        wrong_pool = make_request("other", "req-wrong-pool-001")
+        async with p.redis.pubsub() as pubsub:
+            await pubsub.subscribe(names.stream_channel(good.request_id))
+            for payload in (b"\x00not json", b'{"v": 99}', encode(wrong_pool)):
+                await p.producer.send_and_wait(topic, payload, key=b"same")
+            await p.producer.send_and_wait(topic, encode(good), key=b"same")
+            events = await collect_events(pubsub)
+        assert isinstance(events[-1], FinalChunk), events
+
+        letters = await read_dead_letters(p.settings.kafka_bootstrap, names)
+        reasons = sorted(letter.reason for letter in letters)
+        assert len(letters) == 3
+        assert any("not valid JSON" in r for r in reasons)
+        assert any("unsupported schema version 99" in r for r in reasons)
+        assert any("'other'" in r for r in reasons)
+        assert all(letter.source == topic for letter in letters)
+
+
+async def test_a_redelivered_request_is_placed_once(bus: Bus) -> None:
+    async with pipeline(bus) as p:
+        names = p.settings.names
+        req = make_request("sim", "req-twice-000001", max_tokens=4)
+        async with p.redis.pubsub() as pubsub:
+            await pubsub.subscribe(names.stream_channel(req.request_id))
+            for _ in range(2):
+                await p.producer.send_and_wait(names.requests_topic("sim"), encode(req), key=b"k")
+            events = await collect_events(pubsub, until_terminal=2, within_s=3.0)
+        finals = [e for e in events if isinstance(e, FinalChunk | ErrorChunk)]
+        assert len(finals) == 1, events
+        assert await p.redis.xlen(names.inbox(p.worker_id)) == 1
+        assert await p.redis.get(names.placement(req.request_id)) == p.worker_id.encode()
+
+
+async def test_expired_request_gets_a_timeout_error(bus: Bus) -> None:
+    async with pipeline(bus) as p:
+        names = p.settings.names
+        req = make_request("sim", "req-expired-00001", deadline_s=-1)
+        async with p.redis.pubsub() as pubsub:
+            await pubsub.subscribe(names.stream_channel(req.request_id))
+            await p.producer.send_and_wait(names.requests_topic("sim"), encode(req), key=b"k")
+            events = await collect_events(pubsub)
+        assert len(events) == 1
+        assert isinstance(events[0], ErrorChunk)
+        assert events[0].code == "timeout"
