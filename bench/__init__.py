@@ -1,0 +1,1 @@
+"""Benchmarks and simulations; each prints its figures."""
