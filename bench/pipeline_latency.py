@@ -1,8 +1,12 @@
-"""Queue-path overhead: time to first token through the whole dev stack with a zero-cost engine.
+"""Queue-path overhead and relay throughput through the whole dev stack, with a zero-cost engine.
 
-The simulated engine is set to 0 ms prefill and 1 ms per token, so the time to first token measured at
-the client is the pipeline itself: HTTP, tokenization, Kafka produce and fetch, placement, the Redis
-inbox, the worker, pub/sub and SSE. Run: `.venv/bin/python -m bench.pipeline_latency`.
+Phase 1 (added latency): the simulated engine starts its first token after 0 ms plus 0.002 ms per prompt
+token, so the time to first token at the client, minus that, is the pipeline itself: HTTP, tokenization,
+quota reservation, Kafka produce and fetch, placement, the Redis inbox, the worker, pub/sub and SSE.
+Phase 2 (relay): long streams at 1 ms per token; chunks per second one ingress process relays to clients.
+
+Run: `.venv/bin/python -m bench.pipeline_latency`. Client, broker, Redis and every service share the
+machine, so the figures include their contention.
 """
 
 from __future__ import annotations
@@ -24,12 +28,28 @@ name = "sim"
 model = "sluice-sim"
 default_max_tokens = 16
 replicas = 2
+max_queued = 100000
 
 [pools.simulated]
 ttft_ms = 0
 token_ms = 1
-max_running = 256
+max_running = 512
+
+[[pools]]
+name = "long"
+model = "sluice-long"
+default_max_tokens = 2000
+replicas = 2
+max_queued = 100000
+
+[pools.simulated]
+ttft_ms = 0
+token_ms = 1
+max_running = 512
+min_words = 400
+max_words = 400
 """
+PROMPT_MS_PER_TOKEN = 0.002  # the simulated engine's own prefill cost
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -37,55 +57,81 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def one_stream(client: httpx.AsyncClient, endpoints: Endpoints, i: int) -> tuple[float, float]:
+async def one_stream(
+    client: httpx.AsyncClient, endpoints: Endpoints, model: str, i: int, max_tokens: int
+) -> tuple[float, int, int]:
+    """(seconds to first content, content chunks, prompt tokens) of one streamed request."""
     body = {
-        "model": "sluice-sim",
+        "model": model,
         "stream": True,
-        "max_tokens": 16,
+        "max_tokens": max_tokens,
+        "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": f"request {i}: tell me about queues"}],
     }
     headers = {"Authorization": f"Bearer {endpoints.api_key}"}
     t0 = time.perf_counter()
     ttft = None
+    chunks = 0
+    prompt_tokens = 0
     async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if ttft is None and '"content":"' in line and '"content":""' not in line:
-                ttft = time.perf_counter() - t0
+            if '"content":"' in line and '"content":""' not in line:
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+            elif '"prompt_tokens":' in line:
+                prompt_tokens = int(line.split('"prompt_tokens":')[1].split(",")[0])
             if line == "data: [DONE]":
                 break
     if ttft is None:
         raise RuntimeError("stream ended without content")
-    return ttft, time.perf_counter() - t0
+    return ttft, chunks, prompt_tokens
 
 
-async def run_level(endpoints: Endpoints, concurrency: int, requests: int) -> None:
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        await one_stream(client, endpoints, -1)  # warm the connection pool and every consumer
+async def run_many(
+    endpoints: Endpoints, model: str, concurrency: int, requests: int, max_tokens: int
+) -> tuple[list[tuple[float, int, int]], float]:
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await one_stream(client, endpoints, model, -1, max_tokens)  # warm connections and consumers
         sem = asyncio.Semaphore(concurrency)
 
-        async def bounded(i: int) -> tuple[float, float]:
+        async def bounded(i: int) -> tuple[float, int, int]:
             async with sem:
-                return await one_stream(client, endpoints, i)
+                return await one_stream(client, endpoints, model, i, max_tokens)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(bounded(i) for i in range(requests)))
-        wall = time.perf_counter() - t0
-    ttfts = [r[0] * 1000 for r in results]
-    totals = [r[1] * 1000 for r in results]
+        return list(results), time.perf_counter() - t0
+
+
+def added_latency(endpoints: Endpoints, concurrency: int, requests: int) -> None:
+    results, wall = asyncio.run(run_many(endpoints, "sluice-sim", concurrency, requests, 16))
+    added = [(ttft * 1000) - prompt * PROMPT_MS_PER_TOKEN for ttft, _, prompt in results]
+    p50, p90, p99 = statistics.median(added), percentile(added, 0.9), percentile(added, 0.99)
     print(
-        f"concurrency {concurrency:>3}  requests {requests:>4}  "
-        f"TTFT ms p50 {statistics.median(ttfts):6.1f} p90 {percentile(ttfts, 0.9):6.1f} "
-        f"p99 {percentile(ttfts, 0.99):6.1f}  "
-        f"total ms p50 {statistics.median(totals):6.1f}  throughput {requests / wall:6.1f} req/s"
+        f"  {concurrency:>3} streams  {requests:>4} requests  added TTFT ms  "
+        f"p50 {p50:6.1f}  p90 {p90:6.1f}  p99 {p99:6.1f}  ({requests / wall:5.0f} req/s)"
+    )
+
+
+def relay_rate(endpoints: Endpoints, concurrency: int) -> None:
+    results, wall = asyncio.run(run_many(endpoints, "sluice-long", concurrency, concurrency, 2000))
+    chunks = sum(c for _, c, _ in results)
+    print(
+        f"  {concurrency:>3} streams  {chunks:>6} chunks in {wall:5.2f} s"
+        f"  = {chunks / wall:7.0f} chunks/s relayed"
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10, 100])
+    parser.add_argument("--relay-streams", type=int, nargs="+", default=[10, 100])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "pools.toml"
@@ -93,9 +139,12 @@ def main() -> None:
         stack = DevStack(Path(tmp) / "stack", config_path=config)
         endpoints = stack.start()
         try:
-            print("pipeline overhead (engine: 0 ms prefill, 1 ms/token, 16 tokens; 2 workers; dev broker)")
+            print("added time to first token (engine: 0 ms + 0.002 ms/prompt token, subtracted; 2 workers)")
             for level in args.concurrency:
-                asyncio.run(run_level(endpoints, level, args.requests))
+                added_latency(endpoints, level, args.requests)
+            print("SSE relay throughput of one ingress process (engine: 1 ms/token, 2000-token answers)")
+            for level in args.relay_streams:
+                relay_rate(endpoints, level)
         finally:
             stack.stop()
 

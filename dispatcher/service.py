@@ -23,6 +23,7 @@ from dispatcher.view import WorkerView
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import DeadLetter, ErrorChunk, InferenceRequest
+from queue_schemas.quota import settle
 
 log = structlog.get_logger("sluice.dispatcher")
 
@@ -90,8 +91,10 @@ class Dispatcher:
         while not stop.is_set():
             if await self.redis.exists(self.names.cancelled(request.request_id)):
                 log.info("dropping cancelled request")
+                await settle(self.redis, self.names, request.request_id, 0)
                 return True
-            if time.time() > request.deadline:
+            if time.time() > request.start_deadline():
+                await settle(self.redis, self.names, request.request_id, 0)
                 await self._answer_error(
                     request, ErrorCode.TIMEOUT, "no worker could take the request in time"
                 )

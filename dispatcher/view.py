@@ -6,15 +6,11 @@ import time
 from collections import defaultdict
 
 import redis.asyncio as aioredis
-import structlog
 
 from dispatcher.placement import WorkerSnapshot
-from queue_schemas.codec import decode
-from queue_schemas.errors import SchemaError
 from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
-
-log = structlog.get_logger("sluice.dispatcher.view")
+from queue_schemas.state import read_heartbeats
 
 
 class WorkerView:
@@ -31,7 +27,7 @@ class WorkerView:
     async def snapshot(self, pool: str) -> list[WorkerSnapshot]:
         now = time.monotonic()
         if now - self._read_at.get(pool, float("-inf")) >= self._refresh_s:
-            self._heartbeats[pool] = await self._read(pool)
+            self._heartbeats[pool] = await read_heartbeats(self._redis, self._names, pool)
             self._read_at[pool] = now
         out = []
         for hb in self._heartbeats.get(pool, []):
@@ -42,24 +38,3 @@ class WorkerView:
 
     def record_placement(self, worker_id: str) -> None:
         self._placed[worker_id].append(time.time())
-
-    async def _read(self, pool: str) -> list[Heartbeat]:
-        members = await self._redis.smembers(self._names.workers(pool))
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
-        if not ids:
-            return []
-        raws = await self._redis.mget([self._names.heartbeat(pool, w) for w in ids])
-        beats = []
-        gone = []
-        for worker_id, raw in zip(ids, raws, strict=True):
-            if raw is None:
-                gone.append(worker_id)
-                continue
-            try:
-                beats.append(decode(Heartbeat, raw))
-            except SchemaError as exc:
-                log.warning("ignoring bad heartbeat", worker=worker_id, reason=str(exc))
-        if gone:
-            # An expired heartbeat means the worker is gone; forget it so the set does not grow forever.
-            await self._redis.srem(self._names.workers(pool), *gone)
-        return beats

@@ -52,6 +52,16 @@ class ChunkCoalescer:
         self.seq += 1
         return chunk
 
+    def flush(self) -> TokenChunk | None:
+        """The tokens still gathered, as a chunk; used before an error so nothing generated is withheld."""
+        if not self._pending_tokens and not any(self._parts):
+            return None
+        chunk = TokenChunk(
+            request_id=self.request_id, seq=self.seq, text=self._take_text(), num_tokens=self._take_tokens()
+        )
+        self.seq += 1
+        return chunk
+
     def _take_text(self) -> str:
         text = "".join(self._parts)
         self._parts.clear()

@@ -22,10 +22,10 @@ _WORDS = (
 )  # fmt: skip
 
 
-def reply_text(request: InferenceRequest) -> str:
-    """The deterministic answer to a prompt: words picked by a hash of the prompt, about 12-40 words."""
+def reply_text(request: InferenceRequest, min_words: int = 12, max_words: int = 40) -> str:
+    """The deterministic answer to a prompt: min_words..max_words words picked by a hash of the prompt."""
     digest = hashlib.sha256(bytes(t % 256 for t in request.prompt_token_ids)).digest()
-    n_words = 12 + digest[0] % 29
+    n_words = min_words + int.from_bytes(digest[:4], "big") % (max_words - min_words + 1)
     words = [_WORDS[(digest[i % len(digest)] + i * 7) % len(_WORDS)] for i in range(n_words)]
     return " ".join(words).capitalize() + "."
 
@@ -82,7 +82,8 @@ class SimulatedEngine:
         prompt_tokens = len(request.prompt_token_ids)
         if self._blocks_for(prompt_tokens + request.sampling.max_tokens) > self._config.kv_blocks:
             raise EngineError("prompt and max_tokens exceed the engine's KV capacity")
-        text, reason = apply_stops(reply_text(request), request.sampling.max_tokens, request.sampling.stop)
+        reply = reply_text(request, self._config.min_words, self._config.max_words)
+        text, reason = apply_stops(reply, request.sampling.max_tokens, request.sampling.stop)
         self._waiting += 1
         try:
             await self._slots.acquire()
@@ -96,6 +97,8 @@ class SimulatedEngine:
             for i, ch in enumerate(text):
                 if i:
                     await asyncio.sleep(self._config.token_ms / 1000)
+                if i == self._config.fail_after_tokens:
+                    raise EngineError(f"simulated engine fault after {i} tokens")
                 self._blocks_used[rid] = self._blocks_for(prompt_tokens + i + 1)
                 self._decoded.append((time.monotonic(), 1))
                 last = i == len(text) - 1

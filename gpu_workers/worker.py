@@ -23,12 +23,14 @@ from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
+    FinalChunk,
     Heartbeat,
     InferenceRequest,
     ReplyMode,
     WorkerState,
 )
 from queue_schemas.names import WORKER_INBOX_GROUP
+from queue_schemas.quota import settle
 
 log = structlog.get_logger("sluice.worker")
 
@@ -44,6 +46,17 @@ def inbox_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     for stream in streams:
         entries.extend((entry_id, fields or {}) for entry_id, fields in stream)
     return entries
+
+
+def start_refusal(request: InferenceRequest, now: float, cancelled: bool) -> tuple[str, str] | None:
+    """Why a request taken from the inbox must not start: (error code, message), or None to run it."""
+    if cancelled:
+        return ErrorCode.CANCELLED, "the request was cancelled before it started"
+    if request.reply is not ReplyMode.STREAM:
+        return ErrorCode.BAD_REQUEST, "reply mode kafka is not served by this worker"
+    if now > request.start_deadline():
+        return ErrorCode.TIMEOUT, "no engine could start the request before its queue deadline"
+    return None
 
 
 class Worker:
@@ -134,42 +147,60 @@ class Worker:
         task.add_done_callback(lambda _t: self._tasks.pop(key, None))
 
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
+        """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
         channel = self.names.stream_channel(request.request_id)
-        seq = 0
+        coalescer = ChunkCoalescer(
+            request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
+        )
+        started = False
         try:
-            if request.reply is not ReplyMode.STREAM:
-                await self._fail(
-                    channel, request, 0, ErrorCode.BAD_REQUEST, "reply mode kafka is not served yet"
-                )
-                return
-            if await self.redis.exists(self.names.cancelled(request.request_id)):
-                log.info("skipping cancelled request", request_id=request.request_id)
-                return
-            if time.time() > request.deadline:
-                await self._fail(
-                    channel, request, 0, ErrorCode.TIMEOUT, "deadline passed before the request started"
-                )
-                return
-            coalescer = ChunkCoalescer(
-                request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
-            )
-            async for out in self.engine.generate(request):
-                chunk = coalescer.add(out, time.monotonic())
-                if chunk is not None:
-                    await self.redis.publish(channel, encode(chunk))
-                    seq = coalescer.seq
+            cancelled = bool(await self.redis.exists(self.names.cancelled(request.request_id)))
+            refusal = start_refusal(request, time.time(), cancelled)
+            if refusal is not None:
+                await self._fail(channel, request, coalescer, started, *refusal)
+            else:
+                async for out in self.engine.generate(request):
+                    started = True
+                    chunk = coalescer.add(out, time.monotonic())
+                    if isinstance(chunk, FinalChunk):
+                        await self._settle(request, chunk.usage.total_tokens)
+                    if chunk is not None:
+                        await self.redis.publish(channel, encode(chunk))
         except EngineError as exc:
-            await self._fail(channel, request, seq, ErrorCode.ENGINE_ERROR, str(exc))
+            log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
+            await self._fail(channel, request, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
         except asyncio.CancelledError:
-            await self._fail(channel, request, seq, ErrorCode.CANCELLED, "the request was cancelled")
+            await self._fail(
+                channel, request, coalescer, started, ErrorCode.CANCELLED, "the request was cancelled"
+            )
         except RedisError as exc:
             log.error("lost redis while streaming", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
         await self._ack(entry_id)
 
-    async def _fail(self, channel: str, request: InferenceRequest, seq: int, code: str, message: str) -> None:
-        chunk = ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
+    async def _settle(self, request: InferenceRequest, used_tokens: int) -> None:
+        try:
+            await settle(self.redis, self.names, request.request_id, used_tokens)
+        except RedisError as exc:
+            log.warning("quota not settled", request_id=request.request_id, error=str(exc))
+
+    async def _fail(
+        self,
+        channel: str,
+        request: InferenceRequest,
+        coalescer: ChunkCoalescer,
+        started: bool,
+        code: str,
+        message: str,
+    ) -> None:
+        """Settle what the engine really did (nothing, if it never started), then send the error chunk."""
+        used = len(request.prompt_token_ids) + coalescer.completion_tokens if started else 0
+        await self._settle(request, used)
+        pending = coalescer.flush()
+        chunk = ErrorChunk(request_id=request.request_id, seq=coalescer.seq, code=code, message=message)
         with contextlib.suppress(RedisError):
+            if pending is not None:
+                await self.redis.publish(channel, encode(pending))
             await self.redis.publish(channel, encode(chunk))
 
     async def _ack(self, entry_id: bytes) -> None:

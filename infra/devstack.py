@@ -76,6 +76,7 @@ class DevStack:
     config_path: Path | None = None
     ingress_port: int | None = None
     prefix: str = "sluice"
+    extra_env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -138,6 +139,7 @@ class DevStack:
         )
         if self.config_path is not None:
             env["SLUICE_CONFIG"] = str(self.config_path.resolve())
+        env.update(self.extra_env)
         return env
 
     async def _prepare_bus(self, bus: BusSettings) -> str:

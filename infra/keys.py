@@ -8,6 +8,17 @@ import redis.asyncio as aioredis
 
 from queue_schemas.keys import TeamKey, hash_api_key, key_id, new_api_key
 from queue_schemas.names import Names
+from queue_schemas.quota import TeamLimits, TeamRecord
+
+
+async def set_team_limits(redis: aioredis.Redis, names: Names, team: str, limits: TeamLimits) -> None:
+    """Replace a team's quota limits (None fields are unlimited); they apply from the next request."""
+    await redis.set(names.team(team), TeamRecord(team=team, limits=limits).model_dump_json())
+
+
+async def team_limits(redis: aioredis.Redis, names: Names, team: str) -> TeamLimits:
+    raw = await redis.get(names.team(team))
+    return TeamLimits() if raw is None else TeamRecord.model_validate_json(raw).limits
 
 
 async def create_key(redis: aioredis.Redis, names: Names, team: str, pools: tuple[str, ...] = ()) -> str:

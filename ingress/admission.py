@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 
 from ingress.errors import InvalidRequest
-from ingress.openai_types import ChatCompletionRequest
+from ingress.openai_types import GenerationFields
 from queue_schemas.config import PoolConfig
 from queue_schemas.keys import TeamKey
 from queue_schemas.messages import InferenceRequest, SamplingParams
@@ -17,9 +17,9 @@ def new_request_id() -> str:
     return secrets.token_hex(16)
 
 
-def completion_tokens_allowed(chat: ChatCompletionRequest, pool: PoolConfig, prompt_tokens: int) -> int:
+def completion_tokens_allowed(body: GenerationFields, pool: PoolConfig, prompt_tokens: int) -> int:
     room = pool.context_tokens - prompt_tokens
-    requested = chat.requested_max_tokens()
+    requested = body.requested_max_tokens()
     if requested is None:
         if room < 1:
             raise InvalidRequest(
@@ -41,7 +41,7 @@ def completion_tokens_allowed(chat: ChatCompletionRequest, pool: PoolConfig, pro
 
 
 def build_request(
-    chat: ChatCompletionRequest,
+    body: GenerationFields,
     pool: PoolConfig,
     team: TeamKey,
     prompt_token_ids: list[int],
@@ -50,15 +50,15 @@ def build_request(
     now: float,
     timeout_s: float,
 ) -> InferenceRequest:
-    max_tokens = completion_tokens_allowed(chat, pool, len(prompt_token_ids))
+    max_tokens = completion_tokens_allowed(body, pool, len(prompt_token_ids))
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if chat.temperature is None else chat.temperature,
-        top_p=1.0 if chat.top_p is None else chat.top_p,
-        stop=chat.stop_sequences(),
-        seed=chat.seed,
-        presence_penalty=chat.presence_penalty or 0.0,
-        frequency_penalty=chat.frequency_penalty or 0.0,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        stop=body.stop_sequences(),
+        seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
     )
     return InferenceRequest(
         request_id=request_id,
@@ -69,8 +69,14 @@ def build_request(
         block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size)),
         sampling=sampling,
         created_at=now,
+        start_by=now + min(pool.queue_timeout_s, timeout_s),
         deadline=now + timeout_s,
     )
+
+
+def reserved_tokens(request: InferenceRequest) -> int:
+    """What admission reserves against the team's quota: the whole prompt plus every allowed output token."""
+    return len(request.prompt_token_ids) + request.sampling.max_tokens
 
 
 def partition_key(request: InferenceRequest) -> bytes:

@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.context import IngressContext
 from ingress.errors import ApiError, MethodNotAllowed, NotFound
+from ingress.pool_gate import PoolGate
+from ingress.quota import QuotaGate
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
@@ -33,7 +35,10 @@ def create_app(settings: IngressSettings) -> FastAPI:
         producer = AIOKafkaProducer(**producer_options(settings))
         await with_backoff(producer.start, "kafka producer start")
         await hub.start()
-        app.state.ctx = IngressContext(settings, pools, tokenizers, redis, hub, producer)
+        names = settings.names
+        app.state.ctx = IngressContext(
+            settings, pools, tokenizers, redis, hub, producer, QuotaGate(redis, names), PoolGate(redis, names)
+        )
         log.info("ingress ready", pools=[p.name for p in pools.pools])
         try:
             yield
@@ -47,7 +52,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

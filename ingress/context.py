@@ -14,12 +14,15 @@ from redis.exceptions import RedisError
 
 from ingress.admission import partition_key
 from ingress.errors import ServiceUnavailable
+from ingress.pool_gate import PoolGate
+from ingress.quota import QuotaGate
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
-from ingress.tokenizer import ChatTokenizer
+from ingress.tokenizer import PromptTokenizer
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import CancelNotice, InferenceRequest
+from queue_schemas.quota import settle
 
 log = structlog.get_logger("sluice.ingress")
 
@@ -30,11 +33,20 @@ CANCEL_MARK_TTL_MS = 10 * 60 * 1000
 class IngressContext:
     settings: IngressSettings
     pools: SluiceConfig
-    tokenizers: dict[str, ChatTokenizer]
+    tokenizers: dict[str, PromptTokenizer]
     redis: aioredis.Redis
     hub: StreamHub
     producer: AIOKafkaProducer
+    quota: QuotaGate
+    pool_gate: PoolGate
     background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def release(self, request_id: str) -> None:
+        """Give back a reservation for a request that never reached the queue."""
+        try:
+            await settle(self.redis, self.settings.names, request_id, 0)
+        except RedisError as exc:
+            log.warning("reservation not released", request_id=request_id, error=str(exc))
 
     async def publish(self, request: InferenceRequest) -> None:
         topic = self.settings.names.requests_topic(request.pool)

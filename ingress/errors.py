@@ -12,10 +12,18 @@ class ApiError(Exception):
     type: str = "api_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = headers or {}
         if code is not None:
             self.code = code
 
@@ -48,6 +56,22 @@ class MethodNotAllowed(InvalidRequest):
     code = "method_not_allowed"
 
 
+class RateLimited(ApiError):
+    """429 that the client should retry after Retry-After."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class InsufficientQuota(ApiError):
+    """429 that retrying will not fix (budget spent, or the request alone exceeds a limit)."""
+
+    status = 429
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
 class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
@@ -63,6 +87,7 @@ class Timeout(ApiError):
 _BUS_CODE_TO_ERROR: dict[str, type[ApiError]] = {
     ErrorCode.TIMEOUT: Timeout,
     ErrorCode.BAD_REQUEST: InvalidRequest,
+    ErrorCode.WORKER_LOST: ServiceUnavailable,
 }
 
 

@@ -10,3 +10,6 @@ TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 ACTIVE_STREAMS = Gauge("sluice_ingress_active_requests", "Requests waiting for or receiving tokens", ["pool"])
+REJECTIONS = Counter(
+    "sluice_ingress_rejections_total", "Requests refused at admission, by reason", ["pool", "reason"]
+)

@@ -1,4 +1,4 @@
-"""The OpenAI chat-completions request as clients send it, and the response shapes ingress emits."""
+"""The OpenAI request bodies as clients send them, and the response shapes ingress emits."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -30,6 +31,15 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content flattened to a string."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -37,15 +47,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """Unknown fields are refused (400 naming the field) rather than silently ignored."""
+class GenerationFields(BaseModel):
+    """Fields both endpoints share. Unknown fields are refused (400 naming the field), never ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
@@ -60,13 +68,34 @@ class ChatCompletionRequest(BaseModel):
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+
+class CompletionRequest(GenerationFields):
+    """`POST /v1/completions`: one prompt string (or a list holding exactly one)."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: Literal[False] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -78,55 +107,52 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-def chunk_body(
-    completion_id: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: FinishReason | None,
-    include_usage: bool,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if include_usage:
-        body["usage"] = None
-    return body
+class ResponseShape:
+    """Chat (`chat.completion[.chunk]`, delta/message) or text (`text_completion`, text) bodies."""
 
+    def __init__(self, kind: Literal["chat", "text"], completion_id: str, created: int, model: str) -> None:
+        self.kind = kind
+        self.completion_id = completion_id
+        self.created = created
+        self.model = model
 
-def usage_chunk_body(completion_id: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
-    return {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [],
-        "usage": usage_body(usage),
-    }
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.completion_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
 
+    def chunk(
+        self, text: str | None, finish_reason: FinishReason | None, include_usage: bool
+    ) -> dict[str, Any]:
+        """One streamed choice chunk; for chat, `text=None` makes the opening role delta."""
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if text is None else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        if include_usage:
+            body["usage"] = None
+        return body
 
-def completion_body(
-    completion_id: str, created: int, model: str, text: str, finish_reason: FinishReason, usage: Usage
-) -> dict[str, Any]:
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_body(usage),
-    }
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage_body(usage)}
+
+    def complete(self, text: str, finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        return {**body, "usage": usage_body(usage)}

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ingress.errors import from_bus_error
-from ingress.openai_types import chunk_body, completion_body, usage_chunk_body
+from ingress.openai_types import ResponseShape
 from ingress.streams import HubDisconnected, Subscription
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.errors import ErrorCode, SchemaError
@@ -57,41 +57,38 @@ def _error(request: InferenceRequest, seq: int, code: str, message: str) -> Erro
     return ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
 
 
+def _dump(body: dict[str, Any]) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
 @dataclass
 class SseFormatter:
-    """Turns bus events into OpenAI chat.completion.chunk payloads with a consistent id/created/model."""
+    """Turns bus events into OpenAI stream payloads with a consistent id/created/model."""
 
-    completion_id: str
-    created: int
-    model: str
+    shape: ResponseShape
     include_usage: bool
-    sent_role: bool = field(default=False)
 
-    def _chunk(self, delta: dict[str, Any], finish: Any = None) -> str:
-        body = chunk_body(self.completion_id, self.created, self.model, delta, finish, self.include_usage)
-        return json.dumps(body, separators=(",", ":"))
-
-    def first(self) -> str:
-        self.sent_role = True
-        return self._chunk({"role": "assistant", "content": ""})
+    def opening(self) -> list[str]:
+        """Chat streams open with the assistant role; text completions have no opening chunk."""
+        if self.shape.kind == "chat":
+            return [_dump(self.shape.chunk(None, None, self.include_usage))]
+        return []
 
     def format(self, event: StreamEvent) -> list[str]:
         if isinstance(event, ErrorChunk):
-            err = from_bus_error(event.code, event.message)
-            return [json.dumps(err.body(), separators=(",", ":"))]
+            return [_dump(from_bus_error(event.code, event.message).body())]
         out: list[str] = []
         if event.text:
-            out.append(self._chunk({"content": event.text}))
+            out.append(_dump(self.shape.chunk(event.text, None, self.include_usage)))
         if isinstance(event, FinalChunk):
-            out.append(self._chunk({}, event.finish_reason.value))
+            out.append(_dump(self.shape.chunk("", event.finish_reason, self.include_usage)))
             if self.include_usage:
-                body = usage_chunk_body(self.completion_id, self.created, self.model, event.usage)
-                out.append(json.dumps(body, separators=(",", ":")))
+                out.append(_dump(self.shape.usage_chunk(event.usage)))
             out.append("[DONE]")
         return out
 
 
-async def collect(sub: Subscription, request: InferenceRequest, completion_id: str) -> dict[str, Any]:
+async def collect(sub: Subscription, request: InferenceRequest, shape: ResponseShape) -> dict[str, Any]:
     """Gather a whole completion for a non-streaming client; raise the translated error on failure."""
     parts: list[str] = []
     async for event in events(sub, request):
@@ -99,8 +96,5 @@ async def collect(sub: Subscription, request: InferenceRequest, completion_id: s
             raise from_bus_error(event.code, event.message)
         parts.append(event.text)
         if isinstance(event, FinalChunk):
-            created = int(request.created_at)
-            return completion_body(
-                completion_id, created, request.model, "".join(parts), event.finish_reason, event.usage
-            )
+            return shape.complete("".join(parts), event.finish_reason, event.usage)
     raise AssertionError("events() always ends with a terminal chunk")

@@ -1,4 +1,4 @@
-"""HTTP routes: the OpenAI surface plus health and metrics."""
+"""HTTP routes: the OpenAI surface, health and metrics. Steps: authenticate, validate, admit, queue, relay."""
 
 from __future__ import annotations
 
@@ -6,27 +6,30 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from sse_starlette import EventSourceResponse
 
 from ingress import admission, relay
 from ingress.auth import authenticate
 from ingress.context import IngressContext
-from ingress.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
-from ingress.metrics import ACTIVE_STREAMS, REQUESTS, TTFT
-from ingress.openai_types import ChatCompletionRequest
+from ingress.errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from ingress.metrics import ACTIVE_STREAMS, REJECTIONS, REQUESTS, TTFT
+from ingress.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponseShape
 from ingress.streams import HubDisconnected, Subscription
+from queue_schemas.config import PoolConfig
 from queue_schemas.keys import TeamKey
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest
 
 log = structlog.get_logger("sluice.ingress")
 router = APIRouter()
+B = TypeVar("B", bound=BaseModel)
 
 
 def get_context(request: Request) -> IngressContext:
@@ -42,6 +45,25 @@ async def get_team(request: Request, ctx: Context) -> TeamKey:
 
 
 Team = Annotated[TeamKey, Depends(get_team)]
+
+
+def inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """Replace `#/$defs/X` references by X itself, so the schema stands alone inside the OpenAPI document."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [inline_refs(v, defs) for v in node]
+    return node
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """Document the JSON body in the OpenAPI schema; the handler parses it itself for OpenAI-style errors."""
+    schema = model.model_json_schema()
+    schema = inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 @router.get("/healthz")
@@ -78,64 +100,100 @@ async def read_json_body(request: Request, limit: int) -> Any:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from None
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
+def parse_body(model: type[B], body: Any) -> B:
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        err = most_specific(exc)
+        param = ".".join(str(p) for p in err["loc"] if not is_union_tag(p)) or None
         if err["type"] == "extra_forbidden":
             raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
-        if param == "n":
-            raise InvalidRequest("Only n=1 is supported.", param="n") from None
+        if param in ("n", "best_of"):
+            raise InvalidRequest(f"Only {param}=1 is supported.", param=param) from None
+        if param == "echo":
+            raise InvalidRequest("echo is not supported.", param=param) from None
         raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}", param=param) from None
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
-    chat = parse_chat_request(await read_json_body(request, ctx.settings.max_body_bytes))
-    pool = ctx.pools.pool_for_model(chat.model)
+def is_union_tag(part: int | str) -> bool:
+    """pydantic puts the failed union member in `loc` ('str', 'list[str]'); clients know only the field."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "none"})
+
+
+def most_specific(exc: ValidationError) -> ErrorDetails:
+    """Of a union's failures, the one that is not merely 'wrong type' says what is wrong."""
+    errors = exc.errors()
+    return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+
+
+def resolve_pool(ctx: IngressContext, team: TeamKey, model: str) -> PoolConfig:
+    pool = ctx.pools.pool_for_model(model)
     if pool is None or not team.allows_pool(pool.name):
         raise NotFound(
-            f"The model '{chat.model}' does not exist or you do not have access to it.",
+            f"The model '{model}' does not exist or you do not have access to it.",
             param="model",
             code="model_not_found",
         )
-    prompt_ids = ctx.tokenizers[pool.name].encode_chat(chat.messages)
+    return pool
+
+
+@router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
+    body = parse_body(ChatCompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
+    pool = resolve_pool(ctx, team, body.model)
+    tokenizer = ctx.tokenizers[pool.name]
+    prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, body.messages)
+    return await serve(ctx, team, pool, body, prompt_ids, "chat")
+
+
+@router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+async def completions(request: Request, ctx: Context, team: Team) -> Response:
+    body = parse_body(CompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
+    pool = resolve_pool(ctx, team, body.model)
+    prompt_ids = await asyncio.to_thread(ctx.tokenizers[pool.name].encode_text, body.prompt_text())
+    if not prompt_ids:
+        raise InvalidRequest("The prompt is empty.", param="prompt")
+    return await serve(ctx, team, pool, body, prompt_ids, "text")
+
+
+async def serve(
+    ctx: IngressContext,
+    team: TeamKey,
+    pool: PoolConfig,
+    body: GenerationFields,
+    prompt_ids: list[int],
+    kind: Literal["chat", "text"],
+) -> Response:
+    """Admit (pool and quota), queue, then relay: the steps both completion endpoints share."""
     inference = admission.build_request(
-        chat,
-        pool,
-        team,
-        prompt_ids,
-        request_id=admission.new_request_id(),
-        now=time.time(),
-        timeout_s=ctx.settings.request_timeout_s,
-    )
+        body, pool, team, prompt_ids,
+        request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
+    )  # fmt: skip
     try:
-        sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(inference.request_id))
-    except HubDisconnected as exc:
-        raise ServiceUnavailable("The stream relay is unavailable; retry shortly.") from exc
-    try:
-        await ctx.publish(inference)
-    except BaseException:
-        await sub.close()
+        await ctx.pool_gate.check(pool)
+        limits = await ctx.quota.limits(team.team)
+        hold_s = inference.deadline - inference.created_at + 60
+        cost = admission.reserved_tokens(inference)
+        headers = await ctx.quota.reserve(team.team, limits, inference.request_id, cost, hold_s)
+    except ApiError as err:
+        REJECTIONS.labels(pool.name, err.code or err.type).inc()
         raise
-    completion_id = f"chatcmpl-{inference.request_id}"
+    sub = await queue(ctx, inference)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), pool.model)
     ACTIVE_STREAMS.labels(pool.name).inc()
-    if chat.stream:
-        formatter = relay.SseFormatter(
-            completion_id, int(inference.created_at), pool.model, chat.include_usage()
-        )
-        stream = sse_events(ctx, sub, inference, formatter)
-        return EventSourceResponse(stream, ping=ctx.settings.keepalive_s)
+    if body.stream:
+        stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage()))
+        return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
     try:
-        body = await relay.collect(sub, inference, completion_id)
+        result = await relay.collect(sub, inference, shape)
         REQUESTS.labels(pool.name, "ok").inc()
-        return JSONResponse(body)
+        return JSONResponse(result, headers=headers)
     except asyncio.CancelledError:
         ctx.cancel_soon(inference.request_id, "client disconnected")
+        REQUESTS.labels(pool.name, "cancelled").inc()
         raise
     except Exception:
         REQUESTS.labels(pool.name, "error").inc()
@@ -145,6 +203,22 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
         await sub.close()
 
 
+async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscription:
+    """Subscribe to the reply channel, then produce; release the reservation if either fails."""
+    try:
+        sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(inference.request_id))
+    except HubDisconnected as exc:
+        await ctx.release(inference.request_id)
+        raise ServiceUnavailable("The stream relay is unavailable; retry shortly.") from exc
+    try:
+        await ctx.publish(inference)
+    except BaseException:
+        await sub.close()
+        await ctx.release(inference.request_id)
+        raise
+    return sub
+
+
 async def sse_events(
     ctx: IngressContext, sub: Subscription, inference: InferenceRequest, fmt: relay.SseFormatter
 ) -> AsyncIterator[dict[str, str]]:
@@ -152,7 +226,8 @@ async def sse_events(
     finished = False
     outcome = "cancelled"
     try:
-        yield {"data": fmt.first()}
+        for payload in fmt.opening():
+            yield {"data": payload}
         async for event in relay.events(sub, inference):
             if event.seq == 0:
                 TTFT.labels(inference.pool).observe(time.time() - inference.created_at)

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
+from ingress.errors import InvalidRequest
 from ingress.openai_types import ChatMessage
 from queue_schemas.config import PoolConfig
 
 
-class ChatTokenizer(Protocol):
+class PromptTokenizer(Protocol):
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Render the pool's chat template with the generation prompt and return its token ids."""
+        ...
+
+    def encode_text(self, prompt: str) -> list[int]:
+        """Token ids of a raw completion prompt."""
         ...
 
 
@@ -25,8 +31,41 @@ class ByteTokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         return list(self.render(messages).encode())
 
+    def encode_text(self, prompt: str) -> list[int]:
+        return list(prompt.encode())
 
-def tokenizer_for(pool: PoolConfig) -> ChatTokenizer:
+
+class HFTokenizer:
+    """A model folder's own tokenizer and chat template (tokenizer.json + tokenizer_config.json)."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        if not folder.is_dir():
+            raise ValueError(f"tokenizer folder {folder} does not exist")
+        self._tok: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if not self._tok.chat_template:
+            raise ValueError(f"tokenizer in {folder} has no chat template")
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        from jinja2 import TemplateError
+
+        conversation = [m.template_dict() for m in messages]
+        try:
+            ids = self._tok.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except TemplateError as exc:
+            raise InvalidRequest(
+                f"The messages do not fit the model's chat template: {exc}", param="messages"
+            ) from None
+        return [int(i) for i in ids]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return [int(i) for i in self._tok.encode(prompt, add_special_tokens=True)]
+
+
+def tokenizer_for(pool: PoolConfig) -> PromptTokenizer:
     if pool.tokenizer == "bytes":
         return ByteTokenizer()
-    raise ValueError(f"pool {pool.name}: unknown tokenizer {pool.tokenizer!r}")
+    return HFTokenizer(Path(pool.tokenizer))

@@ -26,6 +26,17 @@ class SimulatedEngineConfig(BaseModel):
     token_ms: float = Field(default=8.0, ge=0.0)
     kv_blocks: int = Field(default=4096, gt=0)
     max_running: int = Field(default=64, gt=0)
+    min_words: int = Field(default=12, gt=0, description="shortest natural answer, in words")
+    max_words: int = Field(default=40, gt=0, description="longest natural answer, in words")
+    fail_after_tokens: int | None = Field(
+        default=None, ge=0, description="fault injection: fail every request after this many tokens"
+    )
+
+    @model_validator(mode="after")
+    def _word_range(self) -> Self:
+        if self.min_words > self.max_words:
+            raise ValueError(f"min_words ({self.min_words}) exceeds max_words ({self.max_words})")
+        return self
 
 
 class PoolConfig(BaseModel):
@@ -34,8 +45,11 @@ class PoolConfig(BaseModel):
     name: Name
     model: str = Field(min_length=1, description="the model name clients send")
     engine: Literal["simulated"] = "simulated"
-    tokenizer: Literal["bytes"] = Field(
-        default="bytes", description="`bytes`: UTF-8 bytes as token ids, the simulated engine's tokenizer"
+    tokenizer: str = Field(
+        default="bytes",
+        min_length=1,
+        description="`bytes` (UTF-8 bytes as token ids, the simulated engine's own), or a model folder "
+        "holding tokenizer.json and a chat template",
     )
     context_tokens: int = Field(default=8192, gt=0)
     default_max_tokens: int = Field(default=256, gt=0)
@@ -43,6 +57,10 @@ class PoolConfig(BaseModel):
     partitions: int = Field(default=4, gt=0)
     tensor_parallel_size: int = Field(default=1, gt=0)
     replicas: int = Field(default=1, ge=0, description="replicas the dev stack starts")
+    max_queued: int = Field(
+        default=2000, gt=0, description="admission refuses new requests while lag + held requests reach this"
+    )
+    queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
 
 

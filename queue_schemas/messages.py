@@ -72,7 +72,13 @@ class InferenceRequest(Message):
     reply: ReplyMode = ReplyMode.STREAM
     reply_topic: str | None = None
     created_at: float = Field(description="epoch seconds when ingress admitted the request")
+    start_by: float | None = Field(
+        default=None, description="epoch seconds by which an engine must have started it; else it times out"
+    )
     deadline: float = Field(description="epoch seconds after which the request is abandoned")
+
+    def start_deadline(self) -> float:
+        return self.deadline if self.start_by is None else min(self.start_by, self.deadline)
 
 
 class Usage(BaseModel):
@@ -187,3 +193,19 @@ class DeadLetter(Message):
     )
     consumer: str
     failed_at: float
+
+
+class PoolState(Message):
+    """A pool as the scaler last saw it, kept under poolstate:<pool> for admission control."""
+
+    pool: Name
+    lag: int = Field(ge=0)
+    held: int = Field(default=0, ge=0)
+    ready: int = Field(ge=0)
+    starting: int = Field(ge=0)
+    draining: int = Field(ge=0)
+    updated_at: float
+
+    @property
+    def backlog(self) -> int:
+        return self.lag + self.held

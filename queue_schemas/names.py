@@ -36,6 +36,21 @@ class Names:
     def team(self, team: str) -> str:
         return f"{self.prefix}:team:{team}"
 
+    def quota_tokens(self, team: str) -> str:
+        return f"{self.prefix}:quota:tpm:{team}"
+
+    def quota_requests(self, team: str) -> str:
+        return f"{self.prefix}:quota:rpm:{team}"
+
+    def quota_day(self, team: str, day: str) -> str:
+        return f"{self.prefix}:quota:day:{team}:{day}"
+
+    def reservation(self, request_id: str) -> str:
+        return f"{self.prefix}:resv:{request_id}"
+
+    def pool_state(self, pool: str) -> str:
+        return f"{self.prefix}:poolstate:{pool}"
+
     def heartbeat(self, pool: str, worker_id: str) -> str:
         return f"{self.prefix}:hb:{pool}:{worker_id}"
 

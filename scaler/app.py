@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from queue_schemas.clients import with_backoff
+from queue_schemas.clients import redis_client, with_backoff
 from scaler.lag import PoolLag
 from scaler.service import LagReader, lag_loop
 from scaler.settings import ScalerSettings
@@ -30,8 +30,9 @@ def create_app(settings: ScalerSettings) -> FastAPI:
         consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
         await with_backoff(admin.start, "kafka admin start")
         await with_backoff(consumer.start, "kafka consumer start")
+        redis = redis_client(settings)
         reader = LagReader(admin, consumer, settings.names)
-        task = asyncio.create_task(lag_loop(reader, pools, settings.tick_s, latest))
+        task = asyncio.create_task(lag_loop(reader, redis, pools, settings.tick_s, latest))
         try:
             yield
         finally:
@@ -40,6 +41,7 @@ def create_app(settings: ScalerSettings) -> FastAPI:
                 await task
             await consumer.stop()
             await admin.close()
+            await redis.aclose()
 
     app = FastAPI(title="sluice scaler", lifespan=lifespan, docs_url=None)
 

@@ -8,8 +8,11 @@ batch held several records, and a negative lag is never meaningful.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from queue_schemas.messages import Heartbeat, PoolState, WorkerState
 
 
 def partition_lag(end_offset: int, committed: int | None, log_start: int = 0) -> int:
@@ -44,3 +47,16 @@ def pool_lag(
         for p, end in sorted(end_offsets.items())
     }
     return PoolLag(pool, topic, group, lags, read_at)
+
+
+def pool_state(lag: PoolLag, heartbeats: Sequence[Heartbeat], now: float) -> PoolState:
+    """What admission control needs to know of a pool: its backlog and its workers by state."""
+    states = Counter(hb.state for hb in heartbeats if now - hb.sent_at <= hb.ttl_ms / 1000)
+    return PoolState(
+        pool=lag.pool,
+        lag=lag.total,
+        ready=states[WorkerState.READY],
+        starting=states[WorkerState.STARTING],
+        draining=states[WorkerState.DRAINING],
+        updated_at=now,
+    )

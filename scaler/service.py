@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import redis.asyncio as aioredis
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from prometheus_client import Gauge
+from redis.exceptions import RedisError
 
+from queue_schemas.codec import encode
+from queue_schemas.messages import PoolState
 from queue_schemas.names import Names
-from scaler.lag import PoolLag, pool_lag
+from queue_schemas.state import read_heartbeats
+from scaler.lag import PoolLag, pool_lag, pool_state
 
 log = structlog.get_logger("sluice.scaler")
 
@@ -25,11 +30,11 @@ class LagReader:
     def __init__(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, names: Names) -> None:
         self._admin = admin
         self._consumer = consumer
-        self._names = names
+        self.names = names
 
     async def read(self, pool: str) -> PoolLag:
-        topic = self._names.requests_topic(pool)
-        group = self._names.dispatcher_group(pool)
+        topic = self.names.requests_topic(pool)
+        group = self.names.dispatcher_group(pool)
         partitions = await self._partitions(topic)
         tps = [TopicPartition(topic, p) for p in partitions]
         if not tps:
@@ -66,14 +71,28 @@ def export(lag: PoolLag) -> None:
     LAG_READ_AT.labels(lag.pool).set(lag.read_at)
 
 
-async def lag_loop(reader: LagReader, pools: list[str], tick_s: float, latest: dict[str, PoolLag]) -> None:
+async def publish_state(redis: aioredis.Redis, names: Names, lag: PoolLag, ttl_s: float) -> PoolState:
+    beats = await read_heartbeats(redis, names, lag.pool)
+    state = pool_state(lag, beats, time.time())
+    await redis.set(names.pool_state(lag.pool), encode(state), px=int(ttl_s * 1000))
+    return state
+
+
+async def lag_loop(
+    reader: LagReader,
+    redis: aioredis.Redis,
+    pools: list[str],
+    tick_s: float,
+    latest: dict[str, PoolLag],
+) -> None:
+    """Each tick: read every pool's lag, export it, and publish the pool state admission control reads."""
     while True:
         for pool in pools:
             try:
                 lag = await reader.read(pool)
-            except KafkaError as exc:
-                log.warning("lag read failed", pool=pool, error=str(exc))
-                continue
-            latest[pool] = lag
-            export(lag)
+                latest[pool] = lag
+                export(lag)
+                await publish_state(redis, reader.names, lag, ttl_s=3 * tick_s)
+            except (KafkaError, RedisError) as exc:
+                log.warning("pool read failed", pool=pool, error=str(exc))
         await asyncio.sleep(tick_s)

@@ -1,16 +1,72 @@
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from infra.devstack import DevStack, Endpoints
+from infra.keys import create_key, set_team_limits
+from infra.models import build_tiny_tokenizer
+from queue_schemas.codec import decode
+from queue_schemas.messages import Heartbeat
+from queue_schemas.names import Names
+from queue_schemas.quota import TeamLimits, utc_day
+
+# Pools beside the default one, each there for a behaviour the tests need to see.
+EXTRA_POOLS = """
+[[pools]]
+name = "slow"            # long enough to disconnect from, queue behind, and see keep-alives
+model = "sluice-slow"
+default_max_tokens = 200
+[pools.simulated]
+ttft_ms = 400
+token_ms = 40
+
+[[pools]]
+name = "flaky"           # fails mid-stream
+model = "sluice-flaky"
+[pools.simulated]
+ttft_ms = 5
+token_ms = 5
+fail_after_tokens = 5
+
+[[pools]]
+name = "empty"           # configured but no worker
+model = "sluice-empty"
+replicas = 0
+
+[[pools]]
+name = "tok"             # a real BPE tokenizer and chat template from a model folder
+model = "sluice-tok"
+tokenizer = "{tokenizer}"
+"""
+
+FAST_STATE = {
+    "SLUICE_KEEPALIVE_S": "0.2",
+    "SLUICE_HEARTBEAT_INTERVAL_S": "0.2",
+    "SLUICE_TICK_S": "0.5",
+}
 
 
 @pytest.fixture(scope="session")
-def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevStack, Endpoints]]:
-    """The same embedded stack `make run` starts: broker, Redis and every service as processes."""
-    stack = DevStack(tmp_path_factory.mktemp("stack"), ingress_port=None)
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("models") / "tiny-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def dev_stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path
+) -> Iterator[tuple[DevStack, Endpoints]]:
+    """The same embedded stack `make run` starts (broker, Redis, every service as processes), more pools."""
+    workdir = tmp_path_factory.mktemp("stack")
+    default = (Path(__file__).parents[2] / "queue_schemas" / "default_pools.toml").read_text()
+    config = workdir / "pools.toml"
+    config.write_text(default + EXTRA_POOLS.format(tokenizer=tiny_tokenizer))
+    stack = DevStack(workdir, config_path=config, extra_env=FAST_STATE)
     endpoints = stack.start()
     try:
         yield stack, endpoints
@@ -21,3 +77,45 @@ def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevSta
 @pytest.fixture
 def endpoints(dev_stack: tuple[DevStack, Endpoints]) -> Endpoints:
     return dev_stack[1]
+
+
+def team_key(endpoints: Endpoints, team: str, limits: TeamLimits | None = None) -> str:
+    """A fresh key for `team`, with the team's limits set first when given."""
+
+    async def go() -> str:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            if limits is not None:
+                await set_team_limits(redis, Names(), team, limits)
+            return await create_key(redis, Names(), team)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def day_used(endpoints: Endpoints, team: str) -> int:
+    """Tokens charged to `team` today, after settlement."""
+
+    async def go() -> int:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            return int(await redis.get(Names().quota_day(team, utc_day(time.time()))) or 0)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
+    async def go() -> bytes | None:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            raw = await redis.get(Names().heartbeat(pool, worker_id))
+            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
+        finally:
+            await redis.aclose()
+
+    raw = asyncio.run(go())
+    assert raw is not None, f"no heartbeat for {worker_id}"
+    return decode(Heartbeat, raw)

@@ -23,3 +23,14 @@ def test_final_chunk_carries_the_rest_and_usage() -> None:
     assert isinstance(final, FinalChunk)
     assert (final.seq, final.text, final.finish_reason) == (1, "bc", FinishReason.LENGTH)
     assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens) == (4, 3, 2)
+
+
+def test_flush_hands_over_what_is_gathered_before_an_error() -> None:
+    c = ChunkCoalescer("r" * 16, "w", flush_after_s=10)
+    c.add(EngineOutput("a", 1, prompt_tokens=4), now=0.0)
+    c.add(EngineOutput("b", 1, prompt_tokens=4), now=0.1)
+    pending = c.flush()
+    assert pending is not None
+    assert (pending.seq, pending.text, pending.num_tokens) == (1, "b", 1)
+    assert c.seq == 2
+    assert c.flush() is None

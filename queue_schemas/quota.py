@@ -1,0 +1,172 @@
+"""Team token quotas: the limits, the Redis layout and the two atomic scripts every service shares.
+
+Admission reserves prompt + max_tokens against three limits at once: tokens per minute and requests per
+minute (token buckets holding up to one minute's allowance, refilled continuously) and a daily token
+budget (a counter per UTC day). Whoever ends a request (the worker that served it, the dispatcher that
+dropped it, ingress if it never got queued) settles it with the tokens really used: the unused part of
+the reservation goes back to the minute bucket and the day's counter. Settling is idempotent: the
+reservation record is deleted by the first settle, so a second one refunds nothing.
+
+The scripts touch keys named inside the reservation record, so they assume one Redis (not a cluster).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field
+
+from queue_schemas.messages import Name
+from queue_schemas.names import Names
+
+
+class TeamLimits(BaseModel):
+    """None means unlimited."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    daily_tokens: int | None = Field(default=None, gt=0)
+
+
+class TeamRecord(BaseModel):
+    """What `team:<team>` holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    team: Name
+    limits: TeamLimits = TeamLimits()
+
+
+RESERVE_SCRIPT = """
+-- KEYS: tokens bucket, requests bucket, day counter, reservation
+-- ARGV: now_ms, cost, tpm (0 = none), rpm (0 = none), daily (0 = none), reservation ttl ms, day ttl s
+local now = tonumber(ARGV[1])
+local cost = tonumber(ARGV[2])
+local tpm, rpm, daily = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+
+local function level(key, cap)
+  local v = redis.call('HMGET', key, 'level', 'ts')
+  local lvl = tonumber(v[1]) or cap
+  local ts = tonumber(v[2]) or now
+  return math.min(cap, lvl + math.max(0, now - ts) * cap / 60000.0)
+end
+
+local tokens_left, requests_left, daily_used = -1, -1, 0
+if tpm > 0 then
+  tokens_left = level(KEYS[1], tpm)
+  if cost > tpm then return {4, 0, tostring(tokens_left), '-1', '0'} end
+  if tokens_left < cost then
+    return {1, math.ceil((cost - tokens_left) * 60000.0 / tpm), tostring(tokens_left), '-1', '0'}
+  end
+end
+if rpm > 0 then
+  requests_left = level(KEYS[2], rpm)
+  if requests_left < 1 then
+    local wait = math.ceil((1 - requests_left) * 60000.0 / rpm)
+    return {2, wait, tostring(tokens_left), tostring(requests_left), '0'}
+  end
+end
+if daily > 0 then
+  daily_used = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if daily_used + cost > daily then
+    return {3, 0, tostring(tokens_left), tostring(requests_left), tostring(daily_used)}
+  end
+end
+
+if tpm > 0 then
+  tokens_left = tokens_left - cost
+  redis.call('HSET', KEYS[1], 'level', tostring(tokens_left), 'ts', now)
+  redis.call('PEXPIRE', KEYS[1], 120000)
+end
+if rpm > 0 then
+  requests_left = requests_left - 1
+  redis.call('HSET', KEYS[2], 'level', tostring(requests_left), 'ts', now)
+  redis.call('PEXPIRE', KEYS[2], 120000)
+end
+daily_used = redis.call('INCRBY', KEYS[3], cost)
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[7]))
+redis.call('HSET', KEYS[4], 'cost', cost, 'tokens_key', KEYS[1], 'tpm', tpm, 'day_key', KEYS[3])
+redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[6]))
+return {0, 0, tostring(tokens_left), tostring(requests_left), tostring(daily_used)}
+"""
+
+SETTLE_SCRIPT = """
+-- KEYS: reservation.  ARGV: now_ms, tokens really used.  Returns the tokens refunded (-1: nothing to settle).
+local r = redis.call('HMGET', KEYS[1], 'cost', 'tokens_key', 'tpm', 'day_key')
+if not r[1] then return -1 end
+redis.call('DEL', KEYS[1])
+local now = tonumber(ARGV[1])
+local refund = math.max(0, tonumber(r[1]) - tonumber(ARGV[2]))
+if refund == 0 then return 0 end
+local tpm = tonumber(r[3])
+if tpm > 0 then
+  local v = redis.call('HMGET', r[2], 'level', 'ts')
+  local lvl = tonumber(v[1]) or tpm
+  local ts = tonumber(v[2]) or now
+  lvl = math.min(tpm, lvl + math.max(0, now - ts) * tpm / 60000.0 + refund)
+  redis.call('HSET', r[2], 'level', tostring(lvl), 'ts', now)
+  redis.call('PEXPIRE', r[2], 120000)
+end
+if redis.call('EXISTS', r[4]) == 1 then redis.call('DECRBY', r[4], refund) end
+return refund
+"""
+
+
+class Verdict:
+    """Outcome codes of RESERVE_SCRIPT."""
+
+    ADMITTED = 0
+    TOKENS_PER_MINUTE = 1
+    REQUESTS_PER_MINUTE = 2
+    DAILY_BUDGET = 3
+    LARGER_THAN_LIMIT = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """The result of a reserve call, with what is left after it (None where a limit is not set)."""
+
+    verdict: int
+    retry_after_ms: int
+    tokens_left: float | None
+    requests_left: float | None
+    daily_used: int
+
+    @classmethod
+    def from_script(cls, reply: list[object]) -> Reservation:
+        verdict, retry_ms, tokens, requests, daily = (_number(x) for x in reply)
+        return cls(
+            verdict=int(verdict),
+            retry_after_ms=int(retry_ms),
+            tokens_left=None if tokens < 0 else tokens,
+            requests_left=None if requests < 0 else requests,
+            daily_used=int(daily),
+        )
+
+
+def _number(value: object) -> float:
+    """Script replies arrive as ints or as bytes/str holding a number."""
+    if isinstance(value, bytes):
+        value = value.decode()
+    return float(str(value))
+
+
+def utc_day(now: float) -> str:
+    return time.strftime("%Y%m%d", time.gmtime(now))
+
+
+def seconds_to_refill(left: float, limit: int) -> float:
+    """How long a one-minute bucket holding `left` of `limit` takes to be full again."""
+    return max(0.0, (limit - left) * 60.0 / limit)
+
+
+async def settle(redis: aioredis.Redis, names: Names, request_id: str, used_tokens: int) -> int:
+    """Settle a request's reservation with the tokens it really used; returns the refund (-1: none held)."""
+    refund = await redis.eval(
+        SETTLE_SCRIPT, 1, names.reservation(request_id), int(time.time() * 1000), used_tokens
+    )
+    return int(refund)
