@@ -1,9 +1,13 @@
-"""Queue-path overhead and relay throughput through the whole dev stack, with a zero-cost engine.
+"""Queue-path overhead and relay throughput through the whole dev stack, with a zero-cost prefill.
 
-Phase 1 (added latency): the simulated engine starts its first token after 0 ms plus 0.002 ms per prompt
-token, so the time to first token at the client, minus that, is the pipeline itself: HTTP, tokenization,
-quota reservation, Kafka produce and fetch, placement, the Redis inbox, the worker, pub/sub and SSE.
-Phase 2 (relay): long streams at 1 ms per token; chunks per second one ingress process relays to clients.
+Phase 1 (added latency): N clients each keep one stream open at all times (100 tokens at 10 ms, so about
+a second each, like a chat reply), starting the next as soon as one ends. The simulated engine starts its
+first token after 0 ms plus 0.002 ms per prompt token, so the time to first token at the client, minus
+that, is the pipeline itself: HTTP, tokenization, quota reservation, Kafka produce and fetch, placement,
+the Redis inbox, the worker, pub/sub and SSE.
+Phase 2 (saturation): N clients sending short requests (16 tokens at 1 ms) back to back: the request rate
+the stack sustains and the time to first token at that rate.
+Phase 3 (relay): long streams at 1 ms per token; chunks per second one ingress process relays to clients.
 
 Run: `.venv/bin/python -m bench.pipeline_latency`. Client, broker, Redis and every service share the
 machine, so the figures include their contention.
@@ -34,6 +38,19 @@ max_queued = 100000
 ttft_ms = 0
 token_ms = 1
 max_running = 512
+
+[[pools]]
+name = "chat"
+model = "sluice-chat"
+replicas = 2
+max_queued = 100000
+
+[pools.simulated]
+ttft_ms = 0
+token_ms = 10
+max_running = 512
+min_words = 100
+max_words = 100
 
 [[pools]]
 name = "long"
@@ -74,7 +91,8 @@ async def one_stream(
     chunks = 0
     prompt_tokens = 0
     async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
         async for line in r.aiter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 chunks += 1
@@ -106,8 +124,8 @@ async def run_many(
         return list(results), time.perf_counter() - t0
 
 
-def added_latency(endpoints: Endpoints, concurrency: int, requests: int) -> None:
-    results, wall = asyncio.run(run_many(endpoints, "sluice-sim", concurrency, requests, 16))
+def added_latency(endpoints: Endpoints, model: str, max_tokens: int, concurrency: int, requests: int) -> None:
+    results, wall = asyncio.run(run_many(endpoints, model, concurrency, requests, max_tokens))
     added = [(ttft * 1000) - prompt * PROMPT_MS_PER_TOKEN for ttft, _, prompt in results]
     p50, p90, p99 = statistics.median(added), percentile(added, 0.9), percentile(added, 0.99)
     print(
@@ -132,16 +150,24 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--relay-streams", type=int, nargs="+", default=[10, 100])
+    parser.add_argument(
+        "--fetch-wait-ms", type=int, default=5, help="dispatcher fetch wait on the dev broker"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "pools.toml"
         config.write_text(CONFIG)
-        stack = DevStack(Path(tmp) / "stack", config_path=config)
+        env = {"SLUICE_KAFKA_FETCH_WAIT_MS": str(args.fetch_wait_ms)}
+        stack = DevStack(Path(tmp) / "stack", config_path=config, extra_env=env)
         endpoints = stack.start()
         try:
-            print("added time to first token (engine: 0 ms + 0.002 ms/prompt token, subtracted; 2 workers)")
+            print(f"dev broker, dispatcher fetch wait {args.fetch_wait_ms} ms")
+            print("added time to first token, N streams open (100 tokens at 10 ms each; 2 workers)")
             for level in args.concurrency:
-                added_latency(endpoints, level, args.requests)
+                added_latency(endpoints, "sluice-chat", 100, level, max(args.requests // 3, 3 * level))
+            print("saturation: N clients back to back (16 tokens at 1 ms each; 2 workers)")
+            for level in args.concurrency:
+                added_latency(endpoints, "sluice-sim", 16, level, args.requests)
             print("SSE relay throughput of one ingress process (engine: 1 ms/token, 2000-token answers)")
             for level in args.relay_streams:
                 relay_rate(endpoints, level)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import uvloop
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from prometheus_client import start_http_server
 
@@ -42,4 +43,4 @@ def run(settings: DispatcherSettings) -> None:
     configure_logging(settings, "dispatcher")
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="127.0.0.1")
-    asyncio.run(serve(settings))
+    uvloop.run(serve(settings))

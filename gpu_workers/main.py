@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import uvloop
 from prometheus_client import start_http_server
 
 from gpu_workers.engine import Engine
@@ -39,4 +40,4 @@ def run(settings: WorkerSettings) -> None:
     configure_logging(settings, "worker")
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="127.0.0.1")
-    asyncio.run(serve(settings))
+    uvloop.run(serve(settings))

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ingress.auth import Authenticator
 from ingress.context import IngressContext
 from ingress.errors import ApiError, MethodNotAllowed, NotFound
 from ingress.pool_gate import PoolGate
@@ -37,7 +38,15 @@ def create_app(settings: IngressSettings) -> FastAPI:
         await hub.start()
         names = settings.names
         app.state.ctx = IngressContext(
-            settings, pools, tokenizers, redis, hub, producer, QuotaGate(redis, names), PoolGate(redis, names)
+            settings,
+            pools,
+            tokenizers,
+            redis,
+            hub,
+            producer,
+            Authenticator(redis, names),
+            QuotaGate(redis, names),
+            PoolGate(redis, names),
         )
         log.info("ingress ready", pools=[p.name for p in pools.pools])
         try:

@@ -13,6 +13,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from ingress.admission import partition_key
+from ingress.auth import Authenticator
 from ingress.errors import ServiceUnavailable
 from ingress.pool_gate import PoolGate
 from ingress.quota import QuotaGate
@@ -37,6 +38,7 @@ class IngressContext:
     redis: aioredis.Redis
     hub: StreamHub
     producer: AIOKafkaProducer
+    auth: Authenticator
     quota: QuotaGate
     pool_gate: PoolGate
     background: set[asyncio.Task[None]] = field(default_factory=set)

@@ -18,7 +18,6 @@ from queue_schemas.quota import (
     RESERVE_SCRIPT,
     Reservation,
     TeamLimits,
-    TeamRecord,
     Verdict,
     seconds_to_refill,
     utc_day,
@@ -87,18 +86,6 @@ class QuotaGate:
         self._redis = redis
         self._names = names
         self._reserve = redis.register_script(RESERVE_SCRIPT)
-
-    async def limits(self, team: str) -> TeamLimits:
-        try:
-            raw = await self._redis.get(self._names.team(team))
-        except RedisError as exc:
-            raise ServiceUnavailable("The quota store is unreachable; retry shortly.") from exc
-        if raw is None:
-            return TeamLimits()
-        try:
-            return TeamRecord.model_validate_json(raw).limits
-        except ValueError as exc:
-            raise ApiError(f"The record of team {team!r} is invalid; ask an operator to fix it.") from exc
 
     async def reserve(
         self, team: str, limits: TeamLimits, request_id: str, cost: int, hold_s: float

@@ -5,11 +5,12 @@ Whatever happens, the client gets exactly one terminal event: a final chunk, or 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from ingress.errors import from_bus_error
 from ingress.openai_types import ResponseShape
@@ -58,7 +59,7 @@ def _error(request: InferenceRequest, seq: int, code: str, message: str) -> Erro
 
 
 def _dump(body: dict[str, Any]) -> str:
-    return json.dumps(body, separators=(",", ":"))
+    return orjson.dumps(body).decode()
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
@@ -17,14 +17,13 @@ from pydantic_core import ErrorDetails
 from sse_starlette import EventSourceResponse
 
 from ingress import admission, relay
-from ingress.auth import authenticate
+from ingress.auth import Caller
 from ingress.context import IngressContext
 from ingress.errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from ingress.metrics import ACTIVE_STREAMS, REJECTIONS, REQUESTS, TTFT
 from ingress.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponseShape
 from ingress.streams import HubDisconnected, Subscription
 from queue_schemas.config import PoolConfig
-from queue_schemas.keys import TeamKey
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest
 
 log = structlog.get_logger("sluice.ingress")
@@ -40,11 +39,11 @@ def get_context(request: Request) -> IngressContext:
 Context = Annotated[IngressContext, Depends(get_context)]
 
 
-async def get_team(request: Request, ctx: Context) -> TeamKey:
-    return await authenticate(ctx.redis, ctx.settings.names, request.headers.get("authorization"))
+async def get_caller(request: Request, ctx: Context) -> Caller:
+    return await ctx.auth.authenticate(request.headers.get("authorization"))
 
 
-Team = Annotated[TeamKey, Depends(get_team)]
+Team = Annotated[Caller, Depends(get_caller)]
 
 
 def inline_refs(node: Any, defs: dict[str, Any]) -> Any:
@@ -82,7 +81,7 @@ async def list_models(ctx: Context, team: Team) -> dict[str, Any]:
     data = [
         {"id": pool.model, "object": "model", "created": 0, "owned_by": "sluice"}
         for pool in ctx.pools.pools
-        if team.allows_pool(pool.name)
+        if team.key.allows_pool(pool.name)
     ]
     return {"object": "list", "data": data}
 
@@ -128,9 +127,9 @@ def most_specific(exc: ValidationError) -> ErrorDetails:
     return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
 
 
-def resolve_pool(ctx: IngressContext, team: TeamKey, model: str) -> PoolConfig:
+def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
     pool = ctx.pools.pool_for_model(model)
-    if pool is None or not team.allows_pool(pool.name):
+    if pool is None or not team.key.allows_pool(pool.name):
         raise NotFound(
             f"The model '{model}' does not exist or you do not have access to it.",
             param="model",
@@ -139,12 +138,23 @@ def resolve_pool(ctx: IngressContext, team: TeamKey, model: str) -> PoolConfig:
     return pool
 
 
+INLINE_TOKENIZE_BYTES = 16 * 1024
+T = TypeVar("T")
+
+
+async def tokenize(encode: Callable[[T], list[int]], what: T, body_bytes: int) -> list[int]:
+    """Small prompts are tokenized inline; large ones in a thread, so the event loop keeps relaying."""
+    if body_bytes <= INLINE_TOKENIZE_BYTES:
+        return encode(what)
+    return await asyncio.to_thread(encode, what)
+
+
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
     body = parse_body(ChatCompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
     pool = resolve_pool(ctx, team, body.model)
     tokenizer = ctx.tokenizers[pool.name]
-    prompt_ids = await asyncio.to_thread(tokenizer.encode_chat, body.messages)
+    prompt_ids = await tokenize(tokenizer.encode_chat, body.messages, len(await request.body()))
     return await serve(ctx, team, pool, body, prompt_ids, "chat")
 
 
@@ -152,7 +162,8 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
 async def completions(request: Request, ctx: Context, team: Team) -> Response:
     body = parse_body(CompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
     pool = resolve_pool(ctx, team, body.model)
-    prompt_ids = await asyncio.to_thread(ctx.tokenizers[pool.name].encode_text, body.prompt_text())
+    encode = ctx.tokenizers[pool.name].encode_text
+    prompt_ids = await tokenize(encode, body.prompt_text(), len(await request.body()))
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty.", param="prompt")
     return await serve(ctx, team, pool, body, prompt_ids, "text")
@@ -160,7 +171,7 @@ async def completions(request: Request, ctx: Context, team: Team) -> Response:
 
 async def serve(
     ctx: IngressContext,
-    team: TeamKey,
+    team: Caller,
     pool: PoolConfig,
     body: GenerationFields,
     prompt_ids: list[int],
@@ -168,15 +179,14 @@ async def serve(
 ) -> Response:
     """Admit (pool and quota), queue, then relay: the steps both completion endpoints share."""
     inference = admission.build_request(
-        body, pool, team, prompt_ids,
+        body, pool, team.key, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
     )  # fmt: skip
     try:
         await ctx.pool_gate.check(pool)
-        limits = await ctx.quota.limits(team.team)
         hold_s = inference.deadline - inference.created_at + 60
         cost = admission.reserved_tokens(inference)
-        headers = await ctx.quota.reserve(team.team, limits, inference.request_id, cost, hold_s)
+        headers = await ctx.quota.reserve(team.team, team.limits, inference.request_id, cost, hold_s)
     except ApiError as err:
         REJECTIONS.labels(pool.name, err.code or err.type).inc()
         raise

@@ -21,13 +21,15 @@ log = structlog.get_logger("sluice.clients")
 
 
 def redis_client(settings: BusSettings) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
+    """A client whose pool waits (up to 5 s) for a free connection instead of failing at the cap."""
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
+        timeout=5.0,
         socket_connect_timeout=2.0,
         health_check_interval=15,
-        retry_on_timeout=False,
     )
+    return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
 
 
 def producer_options(settings: BusSettings) -> dict[str, Any]:
