@@ -32,7 +32,7 @@ async def serve(settings: DispatcherSettings) -> None:
     await with_backoff(consumer.start, "kafka consumer start")
     await with_backoff(producer.start, "kafka producer start")
     try:
-        await Dispatcher(settings, redis).run(consumer, producer, stop)
+        await Dispatcher(settings, redis, consumer, producer).run(stop)
     finally:
         await consumer.stop()
         await producer.stop()

@@ -1,29 +1,80 @@
-"""Placement decisions. Pure: the live dispatcher, the tests and the simulator call the same code."""
+"""Placement decisions. Pure: the live dispatcher, the tests and the simulator call the same code.
+
+Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
+expected output after a reserve, queue under a cap; batch requests also need spare headroom), then a
+weighted sum of clamped terms: prefix match ratio, KV headroom after placement, and queue depth relative
+to the other candidates. Ties are broken at random.
+"""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from queue_schemas.messages import Heartbeat, WorkerState
+from queue_schemas.messages import Heartbeat, Priority, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPolicy:
+    """Weights start from llm-d's published defaults (prefix 3, KV 2, queue 2)."""
+
+    prefix_weight: float = 3.0
+    kv_weight: float = 2.0
+    queue_weight: float = 2.0
+    kv_reserve_fraction: float = 0.05
+    max_queue: int = 64
+    expected_output_tokens: int = 256
+    batch_headroom_fraction: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What a request asks of a worker."""
+
+    prompt_tokens: int
+    block_hashes: Sequence[str]
+    max_tokens: int
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
-    """A worker as the dispatcher sees it: its last heartbeat plus what was placed on it since."""
+    """A worker as the dispatcher sees it: its last heartbeat, what was placed on it since, and its cache."""
 
     heartbeat: Heartbeat
     in_flight: int = 0
+    in_flight_blocks: int = 0
+    matched_blocks: int = 0
 
     @property
     def worker_id(self) -> str:
         return self.heartbeat.worker_id
 
     @property
-    def load(self) -> int:
+    def queue(self) -> int:
         hb = self.heartbeat
-        return hb.running + hb.waiting + hb.inbox_pending + self.in_flight
+        return hb.waiting + hb.inbox_pending + self.in_flight
+
+    @property
+    def load(self) -> int:
+        return self.heartbeat.running + self.queue
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker_id: str | None
+    matched_blocks: int = 0
+    blocks_needed: int = 0
+    reason: str = ""
+
+
+def blocks_needed(demand: Demand, matched_blocks: int, block_size: int, policy: PlacementPolicy) -> int:
+    """KV blocks the request will take on a worker that already holds `matched_blocks` of its prompt."""
+    uncached = max(0, demand.prompt_tokens - matched_blocks * block_size)
+    output = min(demand.max_tokens, policy.expected_output_tokens)
+    return math.ceil((uncached + output) / block_size)
 
 
 def is_eligible(worker: WorkerSnapshot, now: float) -> bool:
@@ -32,8 +83,63 @@ def is_eligible(worker: WorkerSnapshot, now: float) -> bool:
     return hb.state is WorkerState.READY and now - hb.sent_at <= hb.ttl_ms / 1000
 
 
+def headroom_after(worker: WorkerSnapshot, needed: int) -> float:
+    hb = worker.heartbeat
+    if hb.kv_blocks_total <= 0:
+        return 0.0
+    return (hb.kv_blocks_free - worker.in_flight_blocks - needed) / hb.kv_blocks_total
+
+
+def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy) -> str | None:
+    """Why the worker cannot take the request now, or None if it can."""
+    if not is_eligible(worker, now):
+        return "not ready or stale"
+    if worker.queue >= policy.max_queue:
+        return "queue full"
+    needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
+    after = headroom_after(worker, needed)
+    if after < policy.kv_reserve_fraction:
+        return "not enough free KV blocks"
+    if demand.priority is Priority.BATCH and after < policy.batch_headroom_fraction:
+        return "no headroom left for batch"
+    return None
+
+
+def score(
+    worker: WorkerSnapshot, demand: Demand, queue_min: int, queue_max: int, policy: PlacementPolicy
+) -> float:
+    prompt_blocks = len(demand.block_hashes)
+    prefix = worker.matched_blocks / prompt_blocks if prompt_blocks else 0.0
+    needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
+    kv = min(1.0, max(0.0, headroom_after(worker, needed)))
+    queue = 1.0 if queue_max == queue_min else (queue_max - worker.queue) / (queue_max - queue_min)
+    return policy.prefix_weight * prefix + policy.kv_weight * kv + policy.queue_weight * queue
+
+
+def choose(
+    workers: Sequence[WorkerSnapshot],
+    demand: Demand,
+    now: float,
+    policy: PlacementPolicy,
+    rng: random.Random,
+) -> Decision:
+    """The best worker for the request, or a Decision with no worker and the most common reason."""
+    fit = [w for w in workers if rejection(w, demand, now, policy) is None]
+    if not fit:
+        reasons = [rejection(w, demand, now, policy) or "" for w in workers]
+        reason = max(set(reasons), key=reasons.count) if reasons else "no workers"
+        return Decision(None, reason=reason)
+    queues = [w.queue for w in fit]
+    lo, hi = min(queues), max(queues)
+    scored = [(score(w, demand, lo, hi, policy), w) for w in fit]
+    best = max(s for s, _ in scored)
+    winner = rng.choice([w for s, w in scored if s >= best - 1e-9])
+    needed = blocks_needed(demand, winner.matched_blocks, winner.heartbeat.block_size, policy)
+    return Decision(winner.worker_id, winner.matched_blocks, needed)
+
+
 def least_loaded(workers: Sequence[WorkerSnapshot], now: float, rng: random.Random) -> str | None:
-    """The eligible worker with the fewest running, waiting and just-placed requests; random among ties."""
+    """The baseline: the eligible worker with the fewest running, waiting and just-placed requests."""
     eligible = [w for w in workers if is_eligible(w, now)]
     if not eligible:
         return None

@@ -1,77 +1,129 @@
-"""The dispatcher loop: receive from Kafka, decide a worker, record and append to its inbox, commit.
+"""The dispatcher loop of one pool: receive, decide, act, acknowledge.
 
-An offset is committed only after every record before it in the batch has been placed (or answered,
-or dead-lettered), so a dispatcher that dies mid-batch leaves them to be redelivered. Placement is
-recorded with SET NX on the request id in the same script as the inbox append, so a redelivered
-message is recognised and not placed twice.
+- receive: records from the pool's topic go into the hold (malformed ones to the dead-letter topic);
+- decide: held requests, in priority and fairness order, are offered to the placement function;
+- act: one script records the placement (SET if absent, on the request id) and appends to the worker's
+  inbox, so a redelivered record is recognised and not placed twice;
+- acknowledge: each partition's offset is committed up to its oldest request still held.
+
+When the hold is full the partitions are paused, so backlog stays in Kafka as lag for the scaler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import (
+    AIOKafkaConsumer,
+    AIOKafkaProducer,
+    ConsumerRebalanceListener,
+    ConsumerRecord,
+    TopicPartition,
+)
+from redis.exceptions import RedisError
 
-from dispatcher.placement import least_loaded
+from dispatcher import metrics
+from dispatcher.hold import Held, Hold
+from dispatcher.offsets import OffsetTracker
+from dispatcher.placement import Decision, Demand, choose
+from dispatcher.recovery import take_over
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.messages import DeadLetter, ErrorChunk, InferenceRequest
+from queue_schemas.messages import CancelNotice, DeadLetter, ErrorChunk, InferenceRequest, Priority
 from queue_schemas.quota import settle
 
 log = structlog.get_logger("sluice.dispatcher")
 
-# KEYS: placement record, worker inbox. ARGV: worker id, record ttl ms, message, inbox max length.
-# Returns nil when this call placed the request, else the worker it was already placed on.
-PLACE_ONCE = """
-local prev = redis.call('GET', KEYS[1])
-if prev then return prev end
+# KEYS: placement record, cancelled mark, started mark, worker inbox.
+# ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new).
+PLACE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancelled' end
+local owner = redis.call('GET', KEYS[1])
+if ARGV[5] == '' then
+  if owner then return 'duplicate' end
+else
+  if redis.call('EXISTS', KEYS[3]) == 1 then return 'started' end
+  if owner and owner ~= ARGV[5] then return 'duplicate' end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
-return false
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
+return 'placed'
 """
 
 DEADLETTER_PAYLOAD_LIMIT = 64 * 1024
 
 
 class Dispatcher:
-    def __init__(self, settings: DispatcherSettings, redis: aioredis.Redis) -> None:
+    def __init__(
+        self,
+        settings: DispatcherSettings,
+        redis: aioredis.Redis,
+        consumer: AIOKafkaConsumer,
+        producer: AIOKafkaProducer,
+    ) -> None:
         self.settings = settings
         self.names = settings.names
         self.redis = redis
+        self.consumer = consumer
+        self.producer = producer
         self.pool = settings.pool
         self.topic = self.names.requests_topic(settings.pool)
-        self.view = WorkerView(redis, self.names, settings.view_refresh_s)
+        self.view = WorkerView(redis, self.names, settings.pool)
+        self.hold = Hold(settings.hold_capacity)
+        self.offsets = OffsetTracker()
+        self.policy = settings.policy()
         self.rng = random.Random()
-        self._place_once = redis.register_script(PLACE_ONCE)
+        self._place = redis.register_script(PLACE_SCRIPT)
         self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
+        self._paused = False
+        self._background: list[asyncio.Task[None]] = []
 
-    async def run(self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, stop: asyncio.Event) -> None:
-        consumer.subscribe([self.topic])
+    async def run(self, stop: asyncio.Event) -> None:
+        self.consumer.subscribe([self.topic], listener=_Rebalance(self))
+        await self.view.refresh()
+        self._background = [
+            asyncio.create_task(self._view_loop(stop), name="view"),
+            asyncio.create_task(self._kv_loop(stop), name="kv-index"),
+            asyncio.create_task(self._cancel_loop(), name="cancels"),
+        ]
         log.info("dispatcher consuming", topic=self.topic)
-        while not stop.is_set():
-            batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await consumer.getmany(
-                timeout_ms=200, max_records=256
-            )
-            for tp, records in batches.items():
-                done = None
-                for record in records:
-                    if not await self.handle(record, producer, stop):
-                        break
-                    done = record.offset
-                if done is not None:
-                    await consumer.commit({tp: done + 1})
+        try:
+            while not stop.is_set():
+                await self._receive()
+                await self._place_held()
+                await self._expire()
+                await self._acknowledge()
+                self._flow_control()
+        finally:
+            for task in self._background:
+                task.cancel()
+            for task in self._background:
+                with contextlib.suppress(asyncio.CancelledError, RedisError):
+                    await task
+            # Requests still held are not committed: the group redelivers them to whoever owns them next.
+            with contextlib.suppress(Exception):
+                await self._acknowledge()
 
-    async def handle(
-        self, record: ConsumerRecord[Any, Any], producer: AIOKafkaProducer, stop: asyncio.Event
-    ) -> bool:
-        """Place, answer or dead-letter one record. False means it was left for redelivery (shutdown)."""
+    # receive
+    async def _receive(self) -> None:
+        wait_ms = int(self.settings.hold_poll_s * 1000) if len(self.hold) else 200
+        batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await self.consumer.getmany(
+            timeout_ms=wait_ms, max_records=self.settings.fetch_max_records
+        )
+        for tp, records in batches.items():
+            for record in records:
+                self.offsets.opened(tp.partition, record.offset)
+                await self._admit(record)
+
+    async def _admit(self, record: ConsumerRecord[Any, Any]) -> None:
         try:
             request = decode(InferenceRequest, record.value or b"")
             if request.pool != self.pool:
@@ -79,55 +131,183 @@ class Dispatcher:
                     f"request for pool {request.pool!r} arrived on the topic of pool {self.pool!r}"
                 )
         except SchemaError as exc:
-            await self._dead_letter(producer, record, str(exc))
-            return True
-        structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        try:
-            return await self._place(request, stop)
-        finally:
-            structlog.contextvars.unbind_contextvars("request_id")
+            await self._dead_letter(record, str(exc))
+            self.offsets.closed(record.partition, record.offset)
+            return
+        held = Held(request, record.partition, record.offset, time.monotonic())
+        if not self.hold.add(held):
+            metrics.OUTCOMES.labels(self.pool, "duplicate").inc()
+            self.offsets.closed(record.partition, record.offset)
 
-    async def _place(self, request: InferenceRequest, stop: asyncio.Event) -> bool:
-        while not stop.is_set():
-            if await self.redis.exists(self.names.cancelled(request.request_id)):
-                log.info("dropping cancelled request")
-                await settle(self.redis, self.names, request.request_id, 0)
-                return True
-            if time.time() > request.start_deadline():
-                await settle(self.redis, self.names, request.request_id, 0)
-                await self._answer_error(
-                    request, ErrorCode.TIMEOUT, "no worker could take the request in time"
-                )
-                return True
-            workers = await self.view.snapshot(request.pool)
-            worker_id = least_loaded(workers, time.time(), self.rng)
-            if worker_id is None:
-                await asyncio.sleep(self.settings.hold_poll_s)
-                continue
-            previous = await self._place_once(
-                keys=[self.names.placement(request.request_id), self.names.inbox(worker_id)],
-                args=[
-                    worker_id,
-                    self.settings.placement_ttl_s * 1000,
-                    encode(request),
-                    self.settings.inbox_max_len,
-                ],
+    # decide and act
+    async def _place_held(self) -> None:
+        if not len(self.hold):
+            return
+        misses = 0
+        for held in list(self.hold.ordered()):
+            placed = await self._try_place(held)
+            misses = 0 if placed else misses + 1
+            if misses >= self.settings.max_misses_per_round:
+                break  # nothing fits now; the rest of the hold waits for the next heartbeat
+        self._export_hold()
+
+    async def _try_place(self, held: Held) -> bool:
+        request = held.request
+        demand = Demand(
+            len(request.prompt_token_ids), request.block_hashes, request.sampling.max_tokens, request.priority
+        )
+        t0 = time.perf_counter()
+        decision = choose(
+            self.view.snapshot(request.block_hashes), demand, time.time(), self.policy, self.rng
+        )
+        metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
+        if decision.worker_id is None:
+            return False
+        outcome = await self._record(held, decision)
+        self._finish(held)
+        if outcome == "placed":
+            self.hold.charge(request.team, held.cost)
+            self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
+            metrics.PLACEMENTS.labels(self.pool).inc()
+            metrics.QUEUED_SECONDS.labels(self.pool).observe(time.monotonic() - held.arrived)
+            metrics.PREFIX_BLOCKS.labels(self.pool, "prompt").inc(len(request.block_hashes))
+            metrics.PREFIX_BLOCKS.labels(self.pool, "matched").inc(decision.matched_blocks)
+            return True
+        metrics.OUTCOMES.labels(self.pool, outcome).inc()
+        if outcome == "cancelled":
+            await settle(self.redis, self.names, request.request_id, 0)
+        elif outcome == "started":
+            await settle(self.redis, self.names, request.request_id, 0)
+            await self._answer_error(
+                request, ErrorCode.WORKER_LOST, "the worker serving the request was lost"
             )
-            if previous is None:
-                self.view.record_placement(worker_id)
-                log.debug("placed", worker=worker_id)
-            else:
-                log.info("already placed; skipping redelivery", worker=previous.decode())
-            return True
-        return False
+        return True
 
+    async def _record(self, held: Held, decision: Decision) -> str:
+        request = held.request
+        names = self.names
+        rid = request.request_id
+        assert decision.worker_id is not None
+        outcome = await self._place(
+            keys=[
+                names.placement(rid),
+                names.cancelled(rid),
+                names.started(rid),
+                names.inbox(decision.worker_id),
+            ],
+            args=[
+                decision.worker_id,
+                self.settings.placement_ttl_s * 1000,
+                encode(request),
+                self.settings.inbox_max_len,
+                held.moved_from or "",
+            ],
+        )
+        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+
+    def _finish(self, held: Held) -> None:
+        """The request leaves the hold; its record no longer holds its partition's commit back."""
+        self.hold.remove(held.request.request_id)
+        if held.partition is not None and held.offset is not None:
+            self.offsets.closed(held.partition, held.offset)
+
+    async def _expire(self) -> None:
+        for held in self.hold.expired(time.time()):
+            self._finish(held)
+            metrics.OUTCOMES.labels(self.pool, "timeout").inc()
+            await settle(self.redis, self.names, held.request.request_id, 0)
+            await self._answer_error(
+                held.request, ErrorCode.TIMEOUT, "no worker could take the request in time"
+            )
+
+    # acknowledge
+    async def _acknowledge(self) -> None:
+        offsets = self.offsets.to_commit()
+        if not offsets:
+            return
+        assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.topic}
+        offsets = {p: o for p, o in offsets.items() if p in assigned}
+        if offsets:
+            await self.consumer.commit({TopicPartition(self.topic, p): o for p, o in offsets.items()})
+            self.offsets.committed(offsets)
+
+    def _flow_control(self) -> None:
+        assigned = [tp for tp in self.consumer.assignment() if tp.topic == self.topic]
+        if not self._paused and self.hold.full:
+            self.consumer.pause(*assigned)
+            self._paused = True
+            log.warning("hold full; pausing partitions", held=len(self.hold))
+        elif self._paused and len(self.hold) <= self.hold.capacity * 3 // 4:
+            self.consumer.resume(*assigned)
+            self._paused = False
+            log.info("resuming partitions", held=len(self.hold))
+        metrics.PAUSED.labels(self.pool).set(1 if self._paused else 0)
+
+    def _export_hold(self) -> None:
+        for priority in Priority:
+            metrics.HOLD_SIZE.labels(self.pool, priority.value).set(self.hold.size(priority))
+
+    def revoked(self, partitions: set[int]) -> None:
+        """Partitions moved to another member: forget what was held from them; it is redelivered there."""
+        for held in self.hold.from_partitions(partitions):
+            self.hold.remove(held.request.request_id)
+        self.offsets.forget(partitions)
+
+    # background: worker view, prefix index, cancellations
+    async def _view_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                for worker_id in await self.view.refresh():
+                    await self._recover(worker_id)
+            except RedisError as exc:
+                log.warning("worker view refresh failed", error=str(exc))
+            await asyncio.sleep(self.settings.view_refresh_s)
+
+    async def _recover(self, worker_id: str) -> None:
+        requests = await take_over(self.redis, self.names, self.pool, worker_id)
+        for request in requests or ():
+            if self.hold.add(Held(request, None, None, time.monotonic(), moved_from=worker_id)):
+                metrics.RECOVERED.labels(self.pool).inc()
+
+    async def _kv_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                if not await self.view.read_kv_events(block_ms=100):
+                    await asyncio.sleep(0.05)
+            except RedisError as exc:
+                log.warning("prefix index read failed", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.names.cancel_channel())
+                    async for msg in pubsub.listen():
+                        if msg["type"] == "message":
+                            await self._on_cancel(msg["data"])
+            except (RedisError, OSError) as exc:
+                log.warning("cancel channel lost", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _on_cancel(self, data: bytes) -> None:
+        try:
+            notice = decode(CancelNotice, data)
+        except SchemaError:
+            return
+        held = self.hold.remove(notice.request_id)
+        if held is not None:
+            if held.partition is not None and held.offset is not None:
+                self.offsets.closed(held.partition, held.offset)
+            metrics.OUTCOMES.labels(self.pool, "cancelled").inc()
+            await settle(self.redis, self.names, notice.request_id, 0)
+
+    # answers
     async def _answer_error(self, request: InferenceRequest, code: str, message: str) -> None:
         chunk = ErrorChunk(request_id=request.request_id, seq=0, code=code, message=message)
         await self.redis.publish(self.names.stream_channel(request.request_id), encode(chunk))
 
-    async def _dead_letter(
-        self, producer: AIOKafkaProducer, record: ConsumerRecord[Any, Any], reason: str
-    ) -> None:
+    async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
         raw: bytes = record.value or b""
         letter = DeadLetter(
             source=record.topic,
@@ -138,7 +318,8 @@ class Dispatcher:
             consumer=self.consumer_id,
             failed_at=time.time(),
         )
-        await producer.send_and_wait(self.names.deadletter_topic(), encode(letter))
+        await self.producer.send_and_wait(self.names.deadletter_topic(), encode(letter))
+        metrics.OUTCOMES.labels(self.pool, "dead_letter").inc()
         log.warning(
             "dead-lettered",
             topic=record.topic,
@@ -146,3 +327,19 @@ class Dispatcher:
             offset=record.offset,
             reason=reason,
         )
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        d = self._dispatcher
+        mine = {tp.partition for tp in revoked if tp.topic == d.topic}
+        with contextlib.suppress(Exception):
+            await d._acknowledge()  # commit what is finished while we still own the partitions
+        d.revoked(mine)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        if self._dispatcher._paused:
+            self._dispatcher.consumer.pause(*assigned)

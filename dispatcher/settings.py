@@ -2,15 +2,40 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from dispatcher.placement import PlacementPolicy
 from queue_schemas.settings import BusSettings
 
 
 class DispatcherSettings(BusSettings):
     pool: str = Field(default="sim", description="the pool whose requests topic this dispatcher consumes")
     view_refresh_s: float = Field(default=0.25, gt=0, description="how often worker heartbeats are re-read")
-    hold_poll_s: float = Field(
-        default=0.05, gt=0, description="retry interval while no worker can take a request"
+    hold_poll_s: float = Field(default=0.02, gt=0, description="retry interval while requests are held")
+    hold_capacity: int = Field(default=1000, gt=0, description="requests held before partitions are paused")
+    fetch_max_records: int = Field(default=256, gt=0)
+    max_misses_per_round: int = Field(
+        default=16, gt=0, description="held requests tried per round if none fit"
     )
     placement_ttl_s: int = Field(default=24 * 3600, gt=0, description="how long a placement record is kept")
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
+    # Placement policy (dispatcher.placement.PlacementPolicy); weights start from llm-d's defaults.
+    prefix_weight: float = Field(default=3.0, ge=0)
+    kv_weight: float = Field(default=2.0, ge=0)
+    queue_weight: float = Field(default=2.0, ge=0)
+    kv_reserve_fraction: float = Field(default=0.05, ge=0, lt=1)
+    max_queue: int = Field(
+        default=64, gt=0, description="a worker with this many queued requests takes no more"
+    )
+    expected_output_tokens: int = Field(default=256, gt=0)
+    batch_headroom_fraction: float = Field(default=0.25, ge=0, lt=1)
+
+    def policy(self) -> PlacementPolicy:
+        return PlacementPolicy(
+            prefix_weight=self.prefix_weight,
+            kv_weight=self.kv_weight,
+            queue_weight=self.queue_weight,
+            kv_reserve_fraction=self.kv_reserve_fraction,
+            max_queue=self.max_queue,
+            expected_output_tokens=self.expected_output_tokens,
+            batch_headroom_fraction=self.batch_headroom_fraction,
+        )

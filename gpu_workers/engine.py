@@ -6,7 +6,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from queue_schemas.messages import FinishReason, InferenceRequest
+from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
+
+KvChange = tuple[KvEventKind, tuple[str, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,5 +48,9 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def take_kv_changes(self) -> list[KvChange]:
+        """Prefix-cache changes since the last call, in order, as the project's chain hashes."""
+        ...
 
     async def close(self) -> None: ...

@@ -11,9 +11,10 @@ import hashlib
 import time
 from collections.abc import AsyncIterator
 
-from gpu_workers.engine import EngineError, EngineOutput, EngineStats
+from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.config import SimulatedEngineConfig
-from queue_schemas.messages import FinishReason, InferenceRequest
+from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
 
 _WORDS = (
     "the", "queue", "moves", "tokens", "from", "prompt", "to", "answer", "while", "workers", "keep",
@@ -51,12 +52,28 @@ class SimulatedEngine:
         self._waiting = 0
         self._slots = asyncio.Semaphore(config.max_running)
         self._decoded: list[tuple[float, int]] = []
+        self._cache = PrefixCache(config.kv_blocks)
+        self._kv_changes: list[KvChange] = []
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
         return None
+
+    def take_kv_changes(self) -> list[KvChange]:
+        changes, self._kv_changes = self._kv_changes, []
+        return changes
+
+    def _cache_prompt(self, block_hashes: tuple[str, ...]) -> int:
+        """Look the prompt's blocks up, then keep them cached; returns how many leading blocks were hits."""
+        matched = self._cache.match(block_hashes)
+        stored, evicted = self._cache.insert(block_hashes)
+        if evicted:
+            self._kv_changes.append((KvEventKind.REMOVED, tuple(evicted)))
+        if stored:
+            self._kv_changes.append((KvEventKind.STORED, tuple(stored)))
+        return matched
 
     async def abort(self, request_id: str) -> None:
         # Closing the generator aborts; nothing else holds the request.
@@ -92,8 +109,10 @@ class SimulatedEngine:
         rid = request.request_id
         self._running.add(rid)
         try:
-            # Prefill: a fixed cost plus a little per prompt token.
-            await asyncio.sleep((self._config.ttft_ms + prompt_tokens * 0.002) / 1000)
+            cached = self._cache_prompt(request.block_hashes) * self._block_size
+            # Prefill: a fixed cost plus a cost per prompt token the cache did not hold.
+            uncached = prompt_tokens - cached
+            await asyncio.sleep((self._config.ttft_ms + uncached * self._config.prefill_ms_per_token) / 1000)
             for i, ch in enumerate(text):
                 if i:
                     await asyncio.sleep(self._config.token_ms / 1000)
@@ -102,9 +121,9 @@ class SimulatedEngine:
                 self._blocks_used[rid] = self._blocks_for(prompt_tokens + i + 1)
                 self._decoded.append((time.monotonic(), 1))
                 last = i == len(text) - 1
-                yield EngineOutput(ch, 1, reason if last else None, prompt_tokens)
+                yield EngineOutput(ch, 1, reason if last else None, prompt_tokens, cached)
             if not text:
-                yield EngineOutput("", 0, reason, prompt_tokens)
+                yield EngineOutput("", 0, reason, prompt_tokens, cached)
         finally:
             self._running.discard(rid)
             self._blocks_used.pop(rid, None)

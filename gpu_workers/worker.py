@@ -17,6 +17,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import Engine, EngineError
+from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.settings import WorkerSettings
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
@@ -48,10 +49,22 @@ def inbox_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return entries
 
 
-def start_refusal(request: InferenceRequest, now: float, cancelled: bool) -> tuple[str, str] | None:
+# KEYS: cancelled mark, placement record, started mark. ARGV: this worker's id, mark ttl ms.
+# Marks the request started unless it was cancelled, or re-placed on another worker while this one was
+# presumed dead (the dispatcher's recovery moves only requests without a started mark).
+BEGIN_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'cancelled' end
+local owner = redis.call('GET', KEYS[2])
+if owner and owner ~= ARGV[1] then return 'moved' end
+redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+return 'ok'
+"""
+STARTED_MARK_TTL_MS = 24 * 3600 * 1000
+KV_PUBLISH_INTERVAL_S = 0.05
+
+
+def start_refusal(request: InferenceRequest, now: float) -> tuple[str, str] | None:
     """Why a request taken from the inbox must not start: (error code, message), or None to run it."""
-    if cancelled:
-        return ErrorCode.CANCELLED, "the request was cancelled before it started"
     if request.reply is not ReplyMode.STREAM:
         return ErrorCode.BAD_REQUEST, "reply mode kafka is not served by this worker"
     if now > request.start_deadline():
@@ -75,14 +88,18 @@ class Worker:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._hb_seq = 0
         self._inbox = self.names.inbox(settings.worker_id)
+        self._begin_script = redis.register_script(BEGIN_SCRIPT)
+        self.kv = KvPublisher(redis, self.names, settings.worker_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         heartbeats = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         cancels = asyncio.create_task(self._cancel_listener(), name="cancel-listener")
+        kv_events = asyncio.create_task(self._kv_loop(), name="kv-events")
         try:
             t0 = time.monotonic()
             await self.engine.start()
             self.load_seconds = time.monotonic() - t0
+            await self.kv.reset()
             await self._ensure_group()
             self.state = WorkerState.READY
             await self._publish_heartbeat()
@@ -91,9 +108,9 @@ class Worker:
         finally:
             self.state = WorkerState.DRAINING
             await self._drain()
-            heartbeats.cancel()
-            cancels.cancel()
-            for task in (heartbeats, cancels):
+            for task in (heartbeats, cancels, kv_events):
+                task.cancel()
+            for task in (heartbeats, cancels, kv_events):
                 with contextlib.suppress(asyncio.CancelledError, RedisError):
                     await task
             await self._retire()
@@ -119,6 +136,13 @@ class Worker:
                 reply = await self.redis.xreadgroup(
                     WORKER_INBOX_GROUP, self.settings.worker_id, {self._inbox: cursor}, count=free, block=500
                 )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The inbox was taken over while this worker was presumed lost: start a fresh one.
+                log.warning("inbox was reset; recreating it")
+                await self._ensure_group()
+                continue
             except RedisError as exc:
                 log.warning("inbox read failed", error=str(exc))
                 await asyncio.sleep(0.5)
@@ -154,8 +178,17 @@ class Worker:
         )
         started = False
         try:
-            cancelled = bool(await self.redis.exists(self.names.cancelled(request.request_id)))
-            refusal = start_refusal(request, time.time(), cancelled)
+            refusal = start_refusal(request, time.time())
+            if refusal is None:
+                outcome = await self._begin(request)
+                if outcome == "moved":
+                    log.warning(
+                        "request was moved to another worker; skipping", request_id=request.request_id
+                    )
+                    await self._ack(entry_id)
+                    return
+                if outcome == "cancelled":
+                    refusal = ErrorCode.CANCELLED, "the request was cancelled before it started"
             if refusal is not None:
                 await self._fail(channel, request, coalescer, started, *refusal)
             else:
@@ -177,6 +210,13 @@ class Worker:
             log.error("lost redis while streaming", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
         await self._ack(entry_id)
+
+    async def _begin(self, request: InferenceRequest) -> str:
+        names = self.names
+        keys = [names.cancelled(request.request_id), names.placement(request.request_id)]
+        keys.append(names.started(request.request_id))
+        outcome = await self._begin_script(keys=keys, args=[self.settings.worker_id, STARTED_MARK_TTL_MS])
+        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     async def _settle(self, request: InferenceRequest, used_tokens: int) -> None:
         try:
@@ -204,8 +244,12 @@ class Worker:
             await self.redis.publish(channel, encode(chunk))
 
     async def _ack(self, entry_id: bytes) -> None:
+        """Done with an entry: acknowledge and delete it, so what stays in an inbox is unfinished work."""
         with contextlib.suppress(RedisError):
-            await self.redis.xack(self._inbox, WORKER_INBOX_GROUP, entry_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(self._inbox, WORKER_INBOX_GROUP, entry_id)
+                pipe.xdel(self._inbox, entry_id)
+                await pipe.execute()
 
     async def _cancel_listener(self) -> None:
         while True:
@@ -229,6 +273,17 @@ class Worker:
         if task is not None:
             log.info("cancelling request", request_id=notice.request_id, reason=notice.reason)
             task.cancel()
+
+    async def _kv_loop(self) -> None:
+        while True:
+            await asyncio.sleep(KV_PUBLISH_INTERVAL_S)
+            if self.state is WorkerState.STARTING:
+                continue
+            try:
+                await self.kv.publish(self.engine.take_kv_changes())
+            except RedisError as exc:
+                # The mirror moved on: consumers see a gap and resync from the next snapshot.
+                log.warning("kv events not published", error=str(exc))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -268,6 +323,8 @@ class Worker:
             decode_tokens_per_s=stats.decode_tokens_per_s,
             started_at=self.started_at,
             load_seconds=self.load_seconds,
+            kv_events=True,
+            kv_index_seq=self.kv.seq,
         )
         payload = encode(hb)
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -294,6 +351,8 @@ class Worker:
         with contextlib.suppress(RedisError):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.delete(self.names.heartbeat(self.settings.pool, self.settings.worker_id))
+                pipe.delete(self.names.kv_index(self.settings.worker_id))
+                pipe.delete(self.names.kv_snapshot(self.settings.worker_id))
                 pipe.srem(self.names.workers(self.settings.pool), self.settings.worker_id)
                 await pipe.execute()
         log.info("worker stopped", worker=self.settings.worker_id)

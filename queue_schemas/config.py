@@ -22,7 +22,8 @@ class SimulatedEngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ttft_ms: float = Field(default=40.0, ge=0.0)
+    ttft_ms: float = Field(default=40.0, ge=0.0, description="fixed cost of a prefill")
+    prefill_ms_per_token: float = Field(default=0.002, ge=0.0, description="prefill cost per uncached token")
     token_ms: float = Field(default=8.0, ge=0.0)
     kv_blocks: int = Field(default=4096, gt=0)
     max_running: int = Field(default=64, gt=0)

@@ -148,6 +148,7 @@ class Heartbeat(Message):
     decode_tokens_per_s: float = Field(ge=0.0)
     tensor_parallel_size: int = Field(default=1, gt=0)
     spec_decoding: bool = False
+    kv_events: bool = Field(default=False, description="the worker publishes a precise prefix index")
     kv_index_seq: int = Field(default=0, ge=0)
     started_at: float
     load_seconds: float | None = None
@@ -209,3 +210,27 @@ class PoolState(Message):
     @property
     def backlog(self) -> int:
         return self.lag + self.held
+
+
+class KvEventKind(StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class KvEvent(Message):
+    """A change to a worker's prefix cache, appended to kv:<worker>; seq has no gaps within one worker."""
+
+    worker_id: Name
+    seq: int = Field(ge=1)
+    kind: KvEventKind
+    block_hashes: tuple[str, ...] = ()
+
+
+class KvSnapshot(Message):
+    """Every block hash a worker held after applying event `seq`, for consumers that fell behind."""
+
+    worker_id: Name
+    seq: int = Field(ge=0)
+    block_hashes: tuple[str, ...]
+    taken_at: float

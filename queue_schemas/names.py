@@ -60,6 +60,15 @@ class Names:
     def kv_index(self, worker_id: str) -> str:
         return f"{self.prefix}:kv:{worker_id}"
 
+    def kv_snapshot(self, worker_id: str) -> str:
+        return f"{self.prefix}:kvsnap:{worker_id}"
+
+    def recovery_lock(self, worker_id: str) -> str:
+        return f"{self.prefix}:recover:{worker_id}"
+
+    def started(self, request_id: str) -> str:
+        return f"{self.prefix}:started:{request_id}"
+
     def inbox(self, worker_id: str) -> str:
         return f"{self.prefix}:inbox:{worker_id}"
 

@@ -13,12 +13,17 @@ from queue_schemas.names import Names
 log = structlog.get_logger("sluice.state")
 
 
-async def read_heartbeats(redis: aioredis.Redis, names: Names, pool: str) -> list[Heartbeat]:
-    """The live heartbeats of a pool's workers. Workers whose heartbeat expired are dropped from the set."""
+async def read_heartbeats(
+    redis: aioredis.Redis, names: Names, pool: str
+) -> tuple[list[Heartbeat], list[str]]:
+    """The live heartbeats of a pool's workers, and the members whose heartbeat expired (gone).
+
+    Gone workers stay in the set: the dispatcher that recovers their inbox removes them.
+    """
     members = await redis.smembers(names.workers(pool))
     ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
     if not ids:
-        return []
+        return [], []
     raws = await redis.mget([names.heartbeat(pool, w) for w in ids])
     beats = []
     gone = []
@@ -30,6 +35,4 @@ async def read_heartbeats(redis: aioredis.Redis, names: Names, pool: str) -> lis
             beats.append(decode(Heartbeat, raw))
         except SchemaError as exc:
             log.warning("ignoring bad heartbeat", worker=worker_id, reason=str(exc))
-    if gone:
-        await redis.srem(names.workers(pool), *gone)
-    return beats
+    return beats, gone

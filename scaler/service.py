@@ -72,7 +72,7 @@ def export(lag: PoolLag) -> None:
 
 
 async def publish_state(redis: aioredis.Redis, names: Names, lag: PoolLag, ttl_s: float) -> PoolState:
-    beats = await read_heartbeats(redis, names, lag.pool)
+    beats, _ = await read_heartbeats(redis, names, lag.pool)
     state = pool_state(lag, beats, time.time())
     await redis.set(names.pool_state(lag.pool), encode(state), px=int(ttl_s * 1000))
     return state

@@ -4,7 +4,9 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 import redis.asyncio as aioredis
 
@@ -119,3 +121,21 @@ def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
     raw = asyncio.run(go())
     assert raw is not None, f"no heartbeat for {worker_id}"
     return decode(Heartbeat, raw)
+
+
+_open_clients: list[openai.OpenAI] = []
+
+
+def openai_client(endpoints: Endpoints, key: str | None = None, **options: Any) -> openai.OpenAI:
+    """The official client pointed at the stack; closed when the test ends."""
+    options.setdefault("max_retries", 0)
+    client = openai.OpenAI(base_url=endpoints.url + "/v1", api_key=key or endpoints.api_key, **options)
+    _open_clients.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _open_clients:
+        _open_clients.pop().close()

@@ -18,6 +18,7 @@ from queue_schemas.config import load_config
 from queue_schemas.messages import DeadLetter, InferenceRequest, SamplingParams
 from queue_schemas.names import Names
 from tests.conftest import read_dead_letters
+from tests.e2e.conftest import openai_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -29,7 +30,7 @@ MESSAGES: list[ChatCompletionMessageParam] = [
 
 
 def client(endpoints: Endpoints, key: str | None = None) -> openai.OpenAI:
-    return openai.OpenAI(base_url=endpoints.url + "/v1", api_key=key or endpoints.api_key, max_retries=0)
+    return openai_client(endpoints, key)
 
 
 def expected_reply(max_tokens: int) -> tuple[str, int]:

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from infra.devstack import Endpoints
 from queue_schemas.quota import TeamLimits
-from tests.e2e.conftest import day_used, team_key
+from tests.e2e.conftest import day_used, openai_client, team_key
 from tests.e2e.test_streaming_contract import chat_prompt_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
@@ -40,7 +40,7 @@ def hold_tokens_then_retry(
     endpoints: Endpoints, key: str, tpm: int, http: openai.DefaultHttpxClient
 ) -> float:
     """Hold almost a minute's tokens with a stream left open, then ask again; return how long that took."""
-    client = openai.OpenAI(base_url=endpoints.url + "/v1", api_key=key, max_retries=2, http_client=http)
+    client = openai_client(endpoints, key, max_retries=2, http_client=http)
     prompt = len(chat_prompt_ids(MESSAGES))
     hog = client.chat.completions.create(
         model="sluice-slow", messages=MESSAGES, stream=True, max_tokens=tpm - prompt - 40
@@ -136,7 +136,7 @@ def test_keys_cli_create_list_limits_revoke(endpoints: Endpoints) -> None:
     assert row.split("\t")[2] == "sim"
     assert "rpm=100" in cli(endpoints, "limits", "--team", "cli-team").stdout
 
-    client = openai.OpenAI(base_url=endpoints.url + "/v1", api_key=key, max_retries=0)
+    client = openai_client(endpoints, key)
     assert [m.id for m in client.models.list()] == ["sluice-sim"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="sluice-slow", messages=MESSAGES, max_tokens=2)

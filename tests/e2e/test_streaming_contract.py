@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -17,7 +18,7 @@ from infra.devstack import Endpoints
 from ingress.openai_types import ChatMessage
 from ingress.tokenizer import ByteTokenizer
 from queue_schemas.messages import InferenceRequest, SamplingParams
-from tests.e2e.conftest import day_used, heartbeat, team_key
+from tests.e2e.conftest import day_used, heartbeat, openai_client, team_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -36,8 +37,8 @@ def chat_prompt_ids(messages: list[ChatCompletionMessageParam]) -> list[int]:
     return ByteTokenizer().encode_chat([ChatMessage.model_validate(m) for m in messages])
 
 
-def sync_client(endpoints: Endpoints, **kw: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=endpoints.url + "/v1", api_key=endpoints.api_key, **kw)  # type: ignore[arg-type]
+def sync_client(endpoints: Endpoints, **kw: Any) -> openai.OpenAI:
+    return openai_client(endpoints, **kw)
 
 
 def test_chunk_sequence_field_by_field(endpoints: Endpoints) -> None:
@@ -179,7 +180,7 @@ def test_keep_alive_comments_while_queued(endpoints: Endpoints) -> None:
 
 def test_disconnect_aborts_the_engine_and_charges_only_what_was_generated(endpoints: Endpoints) -> None:
     key = team_key(endpoints, "disconnect")
-    client = openai.OpenAI(base_url=endpoints.url + "/v1", api_key=key, max_retries=0)
+    client = openai_client(endpoints, key)
     prompt = chat_prompt_ids(MESSAGES)
     stream = client.chat.completions.create(
         model="sluice-slow", messages=MESSAGES, stream=True, max_tokens=200

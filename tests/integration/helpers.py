@@ -80,7 +80,7 @@ async def pipeline(bus: Bus, pool: str = "sim") -> AsyncIterator[Pipeline]:
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(worker.run(stop)),
-        asyncio.create_task(Dispatcher(settings, redis).run(consumer, producer, stop)),
+        asyncio.create_task(Dispatcher(settings, redis, consumer, producer).run(stop)),
     ]
     try:
         await _wait_ready(redis, names.heartbeat(pool, "w0"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 from redis.asyncio.client import PubSub
 
 from gpu_workers.simulated import reply_text
@@ -75,10 +76,18 @@ async def test_malformed_messages_are_dead_lettered_and_the_dispatcher_carries_o
         assert all(letter.source == topic for letter in letters)
 
 
+def duplicates() -> float:
+    sample = REGISTRY.get_sample_value(
+        "sluice_dispatcher_outcomes_total", {"pool": "sim", "outcome": "duplicate"}
+    )
+    return sample or 0.0
+
+
 async def test_a_redelivered_request_is_placed_once(bus: Bus) -> None:
     async with pipeline(bus) as p:
         names = p.settings.names
         req = make_request("sim", "req-twice-000001", max_tokens=4)
+        duplicates_before = duplicates()
         async with p.redis.pubsub() as pubsub:
             await pubsub.subscribe(names.stream_channel(req.request_id))
             for _ in range(2):
@@ -86,8 +95,8 @@ async def test_a_redelivered_request_is_placed_once(bus: Bus) -> None:
             events = await collect_events(pubsub, until_terminal=2, within_s=3.0)
         finals = [e for e in events if isinstance(e, FinalChunk | ErrorChunk)]
         assert len(finals) == 1, events
-        assert await p.redis.xlen(names.inbox(p.worker_id)) == 1
         assert await p.redis.get(names.placement(req.request_id)) == p.worker_id.encode()
+        assert duplicates() == duplicates_before + 1
 
 
 async def test_expired_request_gets_a_timeout_error(bus: Bus) -> None:

@@ -1,0 +1,30 @@
+from prometheus_client import Counter, Gauge, Histogram
+
+PLACEMENTS = Counter("sluice_dispatcher_placements_total", "Requests placed on workers", ["pool"])
+OUTCOMES = Counter(
+    "sluice_dispatcher_outcomes_total",
+    "Requests leaving the dispatcher other than by placement",
+    ["pool", "outcome"],  # duplicate, cancelled, timeout, dead_letter, worker_lost
+)
+DECISION_SECONDS = Histogram(
+    "sluice_dispatcher_decision_seconds",
+    "Time to choose a worker for one request",
+    ["pool"],
+    buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01),
+)
+QUEUED_SECONDS = Histogram(
+    "sluice_dispatcher_hold_seconds",
+    "Time a request spent in the hold before placement",
+    ["pool"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+)
+HOLD_SIZE = Gauge(
+    "sluice_dispatcher_held_requests", "Requests held for lack of a worker", ["pool", "priority"]
+)
+PREFIX_BLOCKS = Counter(
+    "sluice_dispatcher_prefix_blocks_total",
+    "Prompt blocks of placed requests, and how many were already cached on the chosen worker",
+    ["pool", "kind"],  # prompt, matched
+)
+RECOVERED = Counter("sluice_dispatcher_recovered_total", "Requests moved off a lost worker", ["pool"])
+PAUSED = Gauge("sluice_dispatcher_paused", "1 while the hold is full and partitions are paused", ["pool"])

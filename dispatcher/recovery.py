@@ -1,0 +1,44 @@
+"""Taking over the inbox of a worker whose heartbeat expired.
+
+One dispatcher wins a short lock per lost worker, reads every entry left in its inbox (entries are
+deleted when a worker finishes them, so what remains never finished) and clears the worker's keys. The
+returned requests go back into the hold; placing them again checks, atomically, that the lost worker never
+started them (see PLACE_SCRIPT), and those it had started end with a worker_lost error instead.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+import structlog
+
+from queue_schemas.codec import decode
+from queue_schemas.errors import SchemaError
+from queue_schemas.messages import InferenceRequest
+from queue_schemas.names import Names
+
+log = structlog.get_logger("sluice.dispatcher.recovery")
+
+LOCK_TTL_MS = 60_000
+
+
+async def take_over(
+    redis: aioredis.Redis, names: Names, pool: str, worker_id: str
+) -> list[InferenceRequest] | None:
+    """The unfinished requests of a lost worker, or None if another dispatcher is recovering it."""
+    if not await redis.set(names.recovery_lock(worker_id), "1", nx=True, px=LOCK_TTL_MS):
+        return None
+    entries = await redis.xrange(names.inbox(worker_id), "-", "+") or []
+    requests = []
+    for entry_id, fields in entries:
+        try:
+            requests.append(decode(InferenceRequest, (fields or {}).get(b"m", b"")))
+        except SchemaError as exc:
+            log.error(
+                "dropping unreadable inbox entry", worker=worker_id, entry=str(entry_id), reason=str(exc)
+            )
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.delete(names.inbox(worker_id), names.kv_index(worker_id), names.kv_snapshot(worker_id))
+        pipe.srem(names.workers(pool), worker_id)
+        await pipe.execute()
+    log.warning("took over a lost worker's inbox", worker=worker_id, requests=len(requests))
+    return requests
