@@ -138,6 +138,25 @@ def choose(
     return Decision(winner.worker_id, winner.matched_blocks, needed)
 
 
+def choose_least_loaded(
+    workers: Sequence[WorkerSnapshot],
+    demand: Demand,
+    now: float,
+    policy: PlacementPolicy,
+    rng: random.Random,
+) -> Decision:
+    """The baseline policy behind the same signature as `choose`: load only, no prefix or KV terms."""
+    worker_id = least_loaded(workers, now, rng)
+    if worker_id is None:
+        return Decision(None, reason="no ready worker")
+    worker = next(w for w in workers if w.worker_id == worker_id)
+    needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
+    return Decision(worker_id, worker.matched_blocks, needed)
+
+
+POLICIES = {"scored": choose, "least-loaded": choose_least_loaded}
+
+
 def least_loaded(workers: Sequence[WorkerSnapshot], now: float, rng: random.Random) -> str | None:
     """The baseline: the eligible worker with the fewest running, waiting and just-placed requests."""
     eligible = [w for w in workers if is_eligible(w, now)]

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from dispatcher import metrics
 from dispatcher.hold import Held, Hold
 from dispatcher.offsets import OffsetTracker
-from dispatcher.placement import Decision, Demand, choose
+from dispatcher.placement import POLICIES, Decision, Demand
 from dispatcher.recovery import take_over
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
@@ -80,6 +80,7 @@ class Dispatcher:
         self.hold = Hold(settings.hold_capacity)
         self.offsets = OffsetTracker()
         self.policy = settings.policy()
+        self.choose = POLICIES[settings.placement]
         self.rng = random.Random()
         self._place = redis.register_script(PLACE_SCRIPT)
         self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
@@ -157,7 +158,7 @@ class Dispatcher:
             len(request.prompt_token_ids), request.block_hashes, request.sampling.max_tokens, request.priority
         )
         t0 = time.perf_counter()
-        decision = choose(
+        decision = self.choose(
             self.view.snapshot(request.block_hashes), demand, time.time(), self.policy, self.rng
         )
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)

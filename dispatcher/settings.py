@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from dispatcher.placement import PlacementPolicy
@@ -19,6 +21,9 @@ class DispatcherSettings(BusSettings):
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
     # Placement policy (dispatcher.placement.PlacementPolicy); weights start from llm-d's defaults.
+    placement: Literal["scored", "least-loaded"] = Field(
+        default="scored", description="`least-loaded` is the baseline, kept for comparisons"
+    )
     prefix_weight: float = Field(default=3.0, ge=0)
     kv_weight: float = Field(default=2.0, ge=0)
     queue_weight: float = Field(default=2.0, ge=0)

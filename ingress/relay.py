@@ -40,6 +40,11 @@ async def events(sub: Subscription, request: InferenceRequest) -> AsyncIterator[
         except SchemaError as exc:
             yield _error(request, expected_seq, ErrorCode.ENGINE_ERROR, f"undecodable chunk: {exc}")
             return
+        if isinstance(event, ErrorChunk):
+            # An error ends the stream whatever its seq: a dispatcher that recovers a lost worker's
+            # request does not know how many chunks the client already has.
+            yield event
+            return
         if event.seq != expected_seq:
             yield _error(
                 request,

@@ -61,30 +61,42 @@ async def _wait_ready(redis: aioredis.Redis, key: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def pipeline(bus: Bus, pool: str = "sim") -> AsyncIterator[Pipeline]:
-    """A dispatcher and one simulated worker for `pool`, under a fresh prefix; stopped on exit."""
-    settings = bus.settings(DispatcherSettings, pool=pool)
+async def pipeline(
+    bus: Bus,
+    pool: str = "sim",
+    workers: int = 1,
+    engine: SimulatedEngineConfig | None = None,
+    **dispatcher_overrides: object,
+) -> AsyncIterator[Pipeline]:
+    """A dispatcher and `workers` simulated workers for `pool`, under a fresh prefix; stopped on exit."""
+    settings = bus.settings(DispatcherSettings, pool=pool, **dispatcher_overrides)
     assert isinstance(settings, DispatcherSettings)
     names = settings.names
     await create_topics(settings, names.requests_topic(pool), names.deadletter_topic())
-    worker_settings = WorkerSettings(
-        **{**settings.model_dump(), "worker_id": "w0", "heartbeat_interval_s": 0.2}
-    )
     redis = redis_client(settings)
-    engine = SimulatedEngine(SimulatedEngineConfig(ttft_ms=5, token_ms=1), block_size=16)
-    worker = Worker(worker_settings, engine, redis, "sluice-sim", max_running=16)
+    engine_config = engine or SimulatedEngineConfig(ttft_ms=5, token_ms=1)
+    worker_ids = [f"w{i}" for i in range(workers)]
+    fleet = [
+        Worker(
+            WorkerSettings(**{**settings.model_dump(), "worker_id": wid, "heartbeat_interval_s": 0.2}),
+            SimulatedEngine(engine_config, block_size=16),
+            redis,
+            "sluice-sim",
+            max_running=engine_config.max_running,
+        )
+        for wid in worker_ids
+    ]
     consumer = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group(pool)))
     producer = AIOKafkaProducer(**producer_options(settings))
     await consumer.start()
     await producer.start()
     stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(worker.run(stop)),
-        asyncio.create_task(Dispatcher(settings, redis, consumer, producer).run(stop)),
-    ]
+    tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
+    tasks.append(asyncio.create_task(Dispatcher(settings, redis, consumer, producer).run(stop)))
     try:
-        await _wait_ready(redis, names.heartbeat(pool, "w0"))
-        yield Pipeline(settings, redis, producer, "w0")
+        for wid in worker_ids:
+            await _wait_ready(redis, names.heartbeat(pool, wid))
+        yield Pipeline(settings, redis, producer, worker_ids[0])
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)

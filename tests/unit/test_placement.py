@@ -1,43 +1,127 @@
 import random
 
-from dispatcher.placement import WorkerSnapshot, is_eligible, least_loaded
-from queue_schemas.messages import Heartbeat, WorkerState
+import pytest
+
+from dispatcher.placement import (
+    Demand,
+    PlacementPolicy,
+    WorkerSnapshot,
+    blocks_needed,
+    choose,
+    is_eligible,
+    least_loaded,
+    rejection,
+)
+from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 NOW = 1000.0
+POLICY = PlacementPolicy()
+HASHES = [f"h{i}" for i in range(8)]  # an 8-block prompt of 128 tokens (block size 16)
 
 
 def beat(
-    worker_id: str, *, running: int = 0, state: WorkerState = WorkerState.READY, age: float = 0.1
+    worker_id: str,
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    free: int = 1000,
+    total: int = 1000,
+    state: WorkerState = WorkerState.READY,
+    age: float = 0.1,
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id, pool="sim", model="m", state=state, seq=1, sent_at=NOW - age, ttl_ms=3000,
-        kv_blocks_total=100, kv_blocks_free=100, block_size=16, running=running, waiting=0, inbox_pending=0,
-        decode_tokens_per_s=0.0, started_at=0.0,
+        kv_blocks_total=total, kv_blocks_free=free, block_size=16, running=running, waiting=waiting,
+        inbox_pending=0, decode_tokens_per_s=0.0, started_at=0.0,
     )  # fmt: skip
 
 
-def test_picks_the_least_loaded_ready_worker() -> None:
-    workers = [WorkerSnapshot(beat("a", running=3)), WorkerSnapshot(beat("b", running=1))]
-    assert least_loaded(workers, NOW, random.Random(0)) == "b"
+def demand(max_tokens: int = 64, priority: Priority = Priority.INTERACTIVE) -> Demand:
+    return Demand(prompt_tokens=128, block_hashes=HASHES, max_tokens=max_tokens, priority=priority)
 
 
-def test_in_flight_placements_count_as_load() -> None:
-    workers = [WorkerSnapshot(beat("a"), in_flight=2), WorkerSnapshot(beat("b", running=1))]
-    assert least_loaded(workers, NOW, random.Random(0)) == "b"
+def test_blocks_needed_counts_uncached_prompt_and_expected_output() -> None:
+    assert blocks_needed(demand(64), 0, 16, POLICY) == (128 + 64) // 16
+    assert blocks_needed(demand(64), 6, 16, POLICY) == (32 + 64) // 16
+    assert blocks_needed(demand(10_000), 0, 16, POLICY) == (128 + 256) // 16  # output capped
 
 
-def test_stale_starting_and_draining_workers_are_skipped() -> None:
-    workers = [
-        WorkerSnapshot(beat("stale", age=3.5)),
-        WorkerSnapshot(beat("starting", state=WorkerState.STARTING)),
-        WorkerSnapshot(beat("draining", state=WorkerState.DRAINING)),
-    ]
-    assert not any(is_eligible(w, NOW) for w in workers)
-    assert least_loaded(workers, NOW, random.Random(0)) is None
+@pytest.mark.parametrize(
+    ("snapshot", "reason"),
+    [
+        (WorkerSnapshot(beat("a", age=3.5)), "not ready or stale"),
+        (WorkerSnapshot(beat("a", state=WorkerState.STARTING)), "not ready or stale"),
+        (WorkerSnapshot(beat("a", state=WorkerState.DRAINING)), "not ready or stale"),
+        (WorkerSnapshot(beat("a", waiting=64)), "queue full"),
+        (WorkerSnapshot(beat("a"), in_flight=64), "queue full"),
+        (WorkerSnapshot(beat("a", free=50)), "not enough free KV blocks"),
+        (WorkerSnapshot(beat("a", free=100), in_flight_blocks=40), "not enough free KV blocks"),
+    ],
+)
+def test_each_hard_filter(snapshot: WorkerSnapshot, reason: str) -> None:
+    assert rejection(snapshot, demand(), NOW, POLICY) == reason
+    assert choose([snapshot], demand(), NOW, POLICY, random.Random(0)).worker_id is None
+
+
+def test_cached_prefix_lowers_the_blocks_a_full_worker_needs() -> None:
+    tight = WorkerSnapshot(beat("a", free=60, total=1000), matched_blocks=8)
+    assert rejection(tight, demand(), NOW, POLICY) is None
+    assert rejection(WorkerSnapshot(beat("a", free=60, total=1000)), demand(), NOW, POLICY) is not None
+
+
+def test_batch_needs_spare_headroom_interactive_does_not() -> None:
+    half_full = WorkerSnapshot(beat("a", free=250, total=1000))
+    assert rejection(half_full, demand(priority=Priority.INTERACTIVE), NOW, POLICY) is None
+    assert rejection(half_full, demand(priority=Priority.BATCH), NOW, POLICY) == "no headroom left for batch"
+
+
+def test_prefix_term_wins_over_a_small_load_difference() -> None:
+    cached = WorkerSnapshot(beat("cached", waiting=2), matched_blocks=8)
+    idle = WorkerSnapshot(beat("idle"))
+    assert choose([cached, idle], demand(), NOW, POLICY, random.Random(0)).worker_id == "cached"
+
+
+def test_queue_term_wins_when_the_cached_worker_is_swamped() -> None:
+    swamped = WorkerSnapshot(beat("cached", waiting=40), matched_blocks=2)
+    idle = WorkerSnapshot(beat("idle"))
+    assert choose([swamped, idle], demand(), NOW, POLICY, random.Random(0)).worker_id == "idle"
+
+
+def test_kv_term_prefers_headroom() -> None:
+    full = WorkerSnapshot(beat("full", free=200))
+    empty = WorkerSnapshot(beat("empty", free=1000))
+    assert choose([full, empty], demand(), NOW, POLICY, random.Random(0)).worker_id == "empty"
+
+
+def test_in_flight_accounting_spreads_a_burst() -> None:
+    """Between heartbeats, what was just placed counts, so a burst does not pile onto one worker."""
+    rng = random.Random(0)
+    placed: dict[str, int] = {"a": 0, "b": 0, "c": 0}
+    for _ in range(30):
+        workers = [WorkerSnapshot(beat(w), in_flight=n, in_flight_blocks=n * 12) for w, n in placed.items()]
+        chosen = choose(workers, demand(), NOW, POLICY, rng).worker_id
+        assert chosen is not None
+        placed[chosen] += 1
+    assert sorted(placed.values()) == [10, 10, 10]
+
+
+def test_decision_reports_match_and_blocks() -> None:
+    decision = choose([WorkerSnapshot(beat("a"), matched_blocks=4)], demand(), NOW, POLICY, random.Random(0))
+    assert (decision.worker_id, decision.matched_blocks, decision.blocks_needed) == ("a", 4, (64 + 64) // 16)
+
+
+def test_no_candidate_names_the_commonest_reason() -> None:
+    workers = [WorkerSnapshot(beat(w, waiting=64)) for w in "ab"] + [WorkerSnapshot(beat("c", age=9))]
+    assert choose(workers, demand(), NOW, POLICY, random.Random(0)).reason == "queue full"
 
 
 def test_ties_are_broken_at_random() -> None:
     workers = [WorkerSnapshot(beat(w)) for w in "abc"]
     rng = random.Random(1)
-    chosen = {least_loaded(workers, NOW, rng) for _ in range(60)}
-    assert chosen == {"a", "b", "c"}
+    assert {choose(workers, demand(), NOW, POLICY, rng).worker_id for _ in range(60)} == {"a", "b", "c"}
+
+
+def test_least_loaded_baseline() -> None:
+    workers = [WorkerSnapshot(beat("a", running=3)), WorkerSnapshot(beat("b", running=1))]
+    assert least_loaded(workers, NOW, random.Random(0)) == "b"
+    assert not is_eligible(WorkerSnapshot(beat("x", age=5)), NOW)

@@ -1,0 +1,73 @@
+from dispatcher.prefix_index import ApproximateIndex, PreciseIndex, leading_matches
+from gpu_workers.kv_publisher import KvMirror
+from gpu_workers.prefix_cache import PrefixCache
+from queue_schemas.messages import KvEvent, KvEventKind, KvSnapshot
+
+
+def event(seq: int, kind: KvEventKind, *hashes: str) -> KvEvent:
+    return KvEvent(worker_id="w", seq=seq, kind=kind, block_hashes=hashes)
+
+
+def test_leading_matches_stop_at_the_first_miss() -> None:
+    assert leading_matches({"a", "b", "d"}, ["a", "b", "c", "d"]) == 2
+
+
+def test_precise_index_applies_events_in_order() -> None:
+    index = PreciseIndex()
+    assert index.apply(event(1, KvEventKind.CLEARED))
+    assert index.apply(event(2, KvEventKind.STORED, "a", "b"))
+    assert index.apply(event(3, KvEventKind.REMOVED, "b"))
+    assert index.matched(["a", "b"]) == 1
+    assert index.apply(event(3, KvEventKind.STORED, "zzz")), "an event seen before is ignored"
+    assert index.blocks == {"a"}
+
+
+def test_a_gap_is_detected_and_a_snapshot_resyncs() -> None:
+    index = PreciseIndex()
+    index.apply(event(1, KvEventKind.CLEARED))
+    assert not index.apply(event(3, KvEventKind.STORED, "c"))
+    assert not index.in_sync
+    assert index.matched(["a"]) == 0, "an index out of sync matches nothing"
+    index.load(KvSnapshot(worker_id="w", seq=3, block_hashes=("a", "c"), taken_at=0))
+    assert index.apply(event(3, KvEventKind.STORED, "c"))
+    assert index.apply(event(4, KvEventKind.STORED, "d"))
+    assert index.matched(["a"]) == 1
+    assert index.blocks == {"a", "c", "d"}
+
+
+def test_a_clear_ends_a_gap() -> None:
+    index = PreciseIndex()
+    assert not index.apply(event(5, KvEventKind.STORED, "x"))
+    assert index.apply(event(6, KvEventKind.CLEARED))
+    assert index.in_sync
+
+
+def test_approximate_index_is_lru_bounded() -> None:
+    index = ApproximateIndex(capacity_blocks=3)
+    index.record(["a", "b"])
+    index.record(["c", "d"])
+    assert index.matched(["a"]) == 0
+    assert index.matched(["b", "c", "d"]) == 3
+
+
+def test_prefix_cache_reports_stores_and_lru_evictions() -> None:
+    cache = PrefixCache(3)
+    assert cache.insert(["a", "b"]) == (["a", "b"], [])
+    assert cache.match(["a", "b", "c"]) == 2
+    assert cache.insert(["a", "c", "d"]) == (["c", "d"], ["b"])
+    assert cache.hashes() == ["a", "c", "d"]
+
+
+def test_mirror_rebuilds_what_consumers_rebuild() -> None:
+    mirror = KvMirror()
+    index = PreciseIndex()
+    changes = [
+        (KvEventKind.CLEARED, ()),
+        (KvEventKind.STORED, ("a", "b")),
+        (KvEventKind.REMOVED, ("a",)),
+        (KvEventKind.STORED, ("c",)),
+    ]
+    for kind, hashes in changes:
+        seq = mirror.apply(kind, hashes)
+        assert index.apply(KvEvent(worker_id="w", seq=seq, kind=kind, block_hashes=hashes))
+    assert index.blocks == mirror.blocks == {"b", "c"}
