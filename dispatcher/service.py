@@ -158,9 +158,11 @@ class Dispatcher:
             len(request.prompt_token_ids), request.block_hashes, request.sampling.max_tokens, request.priority
         )
         t0 = time.perf_counter()
-        decision = self.choose(
-            self.view.snapshot(request.block_hashes), demand, time.time(), self.policy, self.rng
-        )
+        if self.settings.placement == "scored":
+            decision = self.view.decide(demand, time.time(), self.policy, self.rng)
+        else:
+            snapshot = self.view.snapshot(request.block_hashes)
+            decision = self.choose(snapshot, demand, time.time(), self.policy, self.rng)
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
         if decision.worker_id is None:
             return False

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 import structlog
 
-from dispatcher.placement import WorkerSnapshot
-from dispatcher.prefix_index import ApproximateIndex, PreciseIndex
+from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
+from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
+from dispatcher.table import Floats, WorkerTable, choose_fast
 from queue_schemas.codec import decode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import Heartbeat, KvEvent, KvSnapshot
@@ -31,6 +34,9 @@ class WorkerView:
         self._cursors: dict[str, str] = {}
         self.approximate: dict[str, ApproximateIndex] = {}
         self._placed: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.holders = BlockHolders()
+        self.table = WorkerTable()
+        self._imprecise_cache: list[str] | None = None
 
     # heartbeats
     async def refresh(self) -> list[str]:
@@ -46,11 +52,22 @@ class WorkerView:
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         current = self.heartbeats.get(hb.worker_id)
-        if current is None or hb.sent_at >= current.sent_at:
-            self.heartbeats[hb.worker_id] = hb
+        if current is not None and hb.sent_at < current.sent_at:
+            return
+        self.heartbeats[hb.worker_id] = hb
+        self._imprecise_cache = None
+        # What was placed before this heartbeat is in its counts now; only later placements are in flight.
+        placed = self._placed[hb.worker_id]
+        placed[:] = [(t, b) for t, b in placed if t > hb.sent_at]
+        self.table.upsert(hb, len(placed), sum(b for _, b in placed))
 
     def forget(self, worker_id: str) -> None:
-        for table in (self.heartbeats, self.precise, self._cursors, self.approximate, self._placed):
+        self._imprecise_cache = None
+        index = self.precise.pop(worker_id, None)
+        if index is not None:
+            index.drop()
+        self.table.remove(worker_id)
+        for table in (self.heartbeats, self._cursors, self.approximate, self._placed):
             table.pop(worker_id, None)
 
     # placement inputs
@@ -58,7 +75,6 @@ class WorkerView:
         out = []
         for worker_id, hb in self.heartbeats.items():
             placed = self._placed[worker_id]
-            placed[:] = [(t, b) for t, b in placed if t > hb.sent_at]
             out.append(
                 WorkerSnapshot(
                     hb,
@@ -77,9 +93,41 @@ class WorkerView:
         approx = self.approximate.get(worker_id)
         return approx.matched(block_hashes) if approx is not None else 0
 
+    def decide(self, demand: Demand, now: float, policy: PlacementPolicy, rng: random.Random) -> Decision:
+        """The scored placement (placement.choose's rules) over the columnar table."""
+        return choose_fast(self.table, self.matched_column(demand.block_hashes), demand, now, policy, rng)
+
+    def matched_column(self, block_hashes: Sequence[str]) -> Floats:
+        """Each table row's prefix match: precise indexes in one walk, approximate ones per worker."""
+        column = np.zeros(len(self.table))
+        if not block_hashes:
+            return column
+        rows = self.table.row
+        for worker_id, depth in self.holders.matched(block_hashes).items():
+            row = rows.get(worker_id)
+            if row is not None:
+                column[row] = depth
+        for worker_id in self._imprecise():
+            approx = self.approximate.get(worker_id)
+            row = rows.get(worker_id)
+            if approx is not None and row is not None:
+                column[row] = approx.matched(block_hashes)
+        return column
+
+    def _imprecise(self) -> list[str]:
+        """Workers without a usable precise index (recomputed only after heartbeats or index changes)."""
+        if self._imprecise_cache is None:
+            self._imprecise_cache = [
+                worker_id
+                for worker_id, hb in self.heartbeats.items()
+                if not (hb.kv_events and worker_id in self.precise and self.precise[worker_id].in_sync)
+            ]
+        return self._imprecise_cache
+
     def record_placement(self, worker_id: str, blocks: int, block_hashes: Sequence[str]) -> None:
         """Count the placement as in flight until the next heartbeat, and remember its prefix."""
         self._placed[worker_id].append((time.time(), blocks))
+        self.table.add_in_flight(worker_id, blocks)
         hb = self.heartbeats.get(worker_id)
         if worker_id not in self.approximate:
             self.approximate[worker_id] = ApproximateIndex(hb.kv_blocks_total if hb else 1024)
@@ -91,11 +139,14 @@ class WorkerView:
         streams: dict[Any, Any] = {}
         for worker_id, hb in self.heartbeats.items():
             if hb.kv_events:
-                self.precise.setdefault(worker_id, PreciseIndex())
+                if worker_id not in self.precise:
+                    self.precise[worker_id] = PreciseIndex(worker_id, self.holders)
                 streams[self._names.kv_index(worker_id)] = self._cursors.get(worker_id, "0")
         if not streams:
             return 0
         reply = await self._redis.xread(streams, count=2000, block=block_ms)
+        if reply:
+            self._imprecise_cache = None  # an index may have gone out of (or back into) sync
         applied = 0
         for stream, entries in _stream_entries(reply):
             worker_id = stream.rsplit(":", 1)[-1]

@@ -1,4 +1,4 @@
-from dispatcher.prefix_index import ApproximateIndex, PreciseIndex, leading_matches
+from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex, leading_matches
 from gpu_workers.kv_publisher import KvMirror
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.messages import KvEvent, KvEventKind, KvSnapshot
@@ -71,3 +71,37 @@ def test_mirror_rebuilds_what_consumers_rebuild() -> None:
         seq = mirror.apply(kind, hashes)
         assert index.apply(KvEvent(worker_id="w", seq=seq, kind=kind, block_hashes=hashes))
     assert index.blocks == mirror.blocks == {"b", "c"}
+
+
+def test_block_holders_agree_with_per_worker_matching() -> None:
+    import random
+
+    rng = random.Random(3)
+    chain = [f"b{i}" for i in range(12)]
+    holders = BlockHolders()
+    indexes = {}
+    for w in range(20):
+        held = {h for h in chain if rng.random() < 0.8}
+        holders.add(f"w{w}", held)
+        indexes[f"w{w}"] = held
+    for cut in range(len(chain) + 1):
+        prompt = chain[:cut]
+        expected = {w: leading_matches(held, prompt) for w, held in indexes.items()}
+        got = holders.matched(prompt)
+        assert {w: got.get(w, 0) for w in indexes} == expected
+
+
+def test_precise_index_keeps_block_holders_in_step() -> None:
+    holders = BlockHolders()
+    index = PreciseIndex("w", holders)
+    index.apply(event(1, KvEventKind.CLEARED))
+    index.apply(event(2, KvEventKind.STORED, "a", "b"))
+    assert holders.matched(["a", "b"]) == {"w": 2}
+    index.apply(event(3, KvEventKind.REMOVED, "b"))
+    assert holders.matched(["a", "b"]) == {"w": 1}
+    assert not index.apply(event(9, KvEventKind.STORED, "c"))
+    assert holders.matched(["a"]) == {}, "an index out of sync must not attract placements"
+    index.load(KvSnapshot(worker_id="w", seq=9, block_hashes=("a", "c"), taken_at=0))
+    assert holders.matched(["a", "c"]) == {"w": 2}
+    index.drop()
+    assert holders.matched(["a"]) == {}

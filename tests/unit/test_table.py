@@ -1,0 +1,92 @@
+"""The columnar placement (live path) decides as the reference placement function does."""
+
+import random
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dispatcher.placement import (
+    Demand,
+    PlacementPolicy,
+    WorkerSnapshot,
+    blocks_needed,
+    choose,
+    rejection,
+    score,
+)
+from dispatcher.table import WorkerTable, choose_fast
+from queue_schemas.messages import Heartbeat, Priority, WorkerState
+
+NOW = 1000.0
+POLICY = PlacementPolicy()
+
+worker = st.fixed_dictionaries(
+    {
+        "state": st.sampled_from(list(WorkerState)),
+        "age": st.floats(0, 4),
+        "running": st.integers(0, 40),
+        "waiting": st.integers(0, 70),
+        "total": st.integers(0, 2000),
+        "free_share": st.floats(0, 1),
+        "in_flight": st.integers(0, 10),
+        "in_flight_blocks": st.integers(0, 300),
+        "matched": st.integers(0, 8),
+    }
+)
+
+
+def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
+    total = int(w["total"])  # type: ignore[call-overload]
+    return Heartbeat(
+        worker_id=f"w{i}", pool="p", model="m", state=w["state"], seq=1, sent_at=NOW - float(w["age"]),  # type: ignore[arg-type]
+        ttl_ms=3000, kv_blocks_total=total, kv_blocks_free=int(total * float(w["free_share"])),  # type: ignore[arg-type]
+        block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
+        decode_tokens_per_s=0.0, started_at=0.0,
+    )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    workers=st.lists(worker, min_size=1, max_size=12),
+    max_tokens=st.integers(1, 600),
+    batch=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_fast_and_reference_agree(
+    workers: list[dict[str, object]], max_tokens: int, batch: bool, seed: int
+) -> None:
+    demand = Demand(
+        128, [f"h{i}" for i in range(8)], max_tokens, Priority.BATCH if batch else Priority.INTERACTIVE
+    )
+    table = WorkerTable(capacity=2)
+    snapshots = []
+    for i, w in enumerate(workers):
+        hb = heartbeat(i, w)
+        table.upsert(hb, int(w["in_flight"]), int(w["in_flight_blocks"]))  # type: ignore[call-overload]
+        snapshots.append(WorkerSnapshot(hb, w["in_flight"], w["in_flight_blocks"], w["matched"]))  # type: ignore[arg-type]
+    matched = np.array([float(w["matched"]) for w in workers])  # type: ignore[arg-type]
+    fast = choose_fast(table, matched, demand, NOW, POLICY, random.Random(seed))
+    reference = choose(snapshots, demand, NOW, POLICY, random.Random(seed))
+    assert (fast.worker_id is None) == (reference.worker_id is None)
+    if fast.worker_id is None:
+        return
+    fit = [s for s in snapshots if rejection(s, demand, NOW, POLICY) is None]
+    queues = [s.queue for s in fit]
+    scores = {s.worker_id: score(s, demand, min(queues), max(queues), POLICY) for s in fit}
+    assert abs(scores[fast.worker_id] - max(scores.values())) < 1e-9
+    chosen = next(s for s in snapshots if s.worker_id == fast.worker_id)
+    needed = blocks_needed(demand, chosen.matched_blocks, 16, POLICY)
+    assert (fast.matched_blocks, fast.blocks_needed) == (chosen.matched_blocks, needed)
+
+
+def test_rows_move_when_a_worker_leaves() -> None:
+    table = WorkerTable(capacity=1)
+    for i in range(3):
+        table.upsert(heartbeat(i, {"state": WorkerState.READY, "age": 0, "running": i, "waiting": 0,
+                                   "total": 100, "free_share": 1.0}), 0, 0)  # fmt: skip
+    table.remove("w0")
+    assert sorted(table.ids) == ["w1", "w2"]
+    assert {table.ids[r]: table.col("running")[r] for r in range(2)} == {"w1": 1.0, "w2": 2.0}
+    table.add_in_flight("w2", 5)
+    assert table.col("blocks")[table.row["w2"]] == 5
