@@ -37,7 +37,7 @@ from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.messages import CancelNotice, DeadLetter, ErrorChunk, InferenceRequest, Priority
+from queue_schemas.messages import CancelNotice, DeadLetter, ErrorChunk, Heartbeat, InferenceRequest, Priority
 from queue_schemas.quota import settle
 
 log = structlog.get_logger("sluice.dispatcher")
@@ -94,6 +94,7 @@ class Dispatcher:
             asyncio.create_task(self._view_loop(stop), name="view"),
             asyncio.create_task(self._kv_loop(stop), name="kv-index"),
             asyncio.create_task(self._cancel_loop(), name="cancels"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),
         ]
         log.info("dispatcher consuming", topic=self.topic)
         try:
@@ -291,6 +292,20 @@ class Dispatcher:
                             await self._on_cancel(msg["data"])
             except (RedisError, OSError) as exc:
                 log.warning("cancel channel lost", error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _heartbeat_loop(self) -> None:
+        """Heartbeats pushed by workers, so a new or recovered worker is seen before the next re-read."""
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.names.heartbeat_channel(self.pool))
+                    async for msg in pubsub.listen():
+                        if msg["type"] == "message":
+                            with contextlib.suppress(SchemaError):
+                                self.view.on_heartbeat(decode(Heartbeat, msg["data"]))
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat channel lost", error=str(exc))
                 await asyncio.sleep(0.5)
 
     async def _on_cancel(self, data: bytes) -> None:

@@ -32,14 +32,20 @@ class PrefixCache:
         return n
 
     def insert(self, block_hashes: Sequence[str]) -> tuple[list[str], list[str]]:
-        """Mark the blocks most recently used, adding missing ones; return (stored, evicted)."""
+        """Mark the blocks most recently used, adding missing ones; return (stored, evicted).
+
+        The first block ends up the most recently used and the last the least, as when an engine frees
+        a finished request's blocks tail first: eviction then trims prefixes from their end, and a
+        cached prefix stays usable for as long as possible.
+        """
         stored: list[str] = []
-        for h in block_hashes:
+        for h in reversed(block_hashes):
             if h in self._blocks:
                 self._blocks.move_to_end(h)
             else:
                 self._blocks[h] = None
                 stored.append(h)
+        stored.reverse()
         evicted: list[str] = []
         while len(self._blocks) > self.capacity:
             victim, _ = self._blocks.popitem(last=False)

@@ -109,9 +109,9 @@ class DevStack:
         ingress = spawn("ingress", [*cli, "ingress", "--port", str(port)], self.log_dir, env)
         self.processes.append(ingress)
         for pool in self.config.pools:
-            self.processes.append(
-                spawn(f"dispatcher-{pool.name}", [*cli, "dispatcher", "--pool", pool.name], self.log_dir, env)
-            )
+            dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(free_port())}
+            argv = [*cli, "dispatcher", "--pool", pool.name]
+            self.processes.append(spawn(f"dispatcher-{pool.name}", argv, self.log_dir, dispatcher_env))
             for i in range(pool.replicas):
                 worker_id = f"{pool.name}-w{i}"
                 argv = [*cli, "worker", "--pool", pool.name, "--worker-id", worker_id]

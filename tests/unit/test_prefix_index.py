@@ -54,8 +54,8 @@ def test_prefix_cache_reports_stores_and_lru_evictions() -> None:
     cache = PrefixCache(3)
     assert cache.insert(["a", "b"]) == (["a", "b"], [])
     assert cache.match(["a", "b", "c"]) == 2
-    assert cache.insert(["a", "c", "d"]) == (["c", "d"], ["b"])
-    assert cache.hashes() == ["a", "c", "d"]
+    assert cache.insert(["x", "y"]) == (["x", "y"], ["b"]), "the tail of the older prefix goes first"
+    assert cache.hashes() == ["a", "y", "x"]
 
 
 def test_mirror_rebuilds_what_consumers_rebuild() -> None:
