@@ -114,6 +114,45 @@ def scaler(port: Annotated[int | None, typer.Option()] = None) -> None:
     run(ScalerSettings(**({"port": port} if port is not None else {})))  # type: ignore[arg-type]
 
 
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option(help="model preset: llama-70b, qwen-32b, llama-8b")] = "llama-70b",
+    gpu: Annotated[str, typer.Option(help="GPU preset: h100, h200")] = "h100",
+    tp: Annotated[int, typer.Option(help="GPUs per replica (tensor parallel)")] = 4,
+    prompt_tokens: Annotated[int, typer.Option()] = 2000,
+    output_tokens: Annotated[int, typer.Option()] = 300,
+    peak: Annotated[float, typer.Option(help="peak requests per second")] = 20.0,
+    headroom: Annotated[float, typer.Option(help="provision this factor above the peak")] = 1.3,
+    decode_tps: Annotated[float, typer.Option(help="decode tokens/s per sequence at full batch")] = 25.0,
+    ttft: Annotated[float, typer.Option(help="time to first token, seconds")] = 0.8,
+    price: Annotated[float | None, typer.Option(help="price per GPU-hour (default: the preset's)")] = None,
+    memory_utilization: Annotated[float, typer.Option()] = 0.90,
+) -> None:
+    """Capacity arithmetic, step by step: KV bytes per token to replicas, GPUs and cost at peak."""
+    from dataclasses import replace
+
+    from rich.table import Table
+
+    from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
+
+    if model not in MODELS or gpu not in GPUS:
+        console.print(f"unknown preset; models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}")
+        raise typer.Exit(2)
+    chosen_gpu = GPUS[gpu] if price is None else replace(GPUS[gpu], price_per_hour=price)
+    workload = Workload(prompt_tokens, output_tokens, peak, headroom, decode_tps, ttft)
+    try:
+        result = plan(MODELS[model], chosen_gpu, workload, Deployment(tp, memory_utilization))
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
+    table = Table(title=f"{model} on {tp} x {chosen_gpu.name}")
+    for column in ("quantity", "value", "how"):
+        table.add_column(column)
+    for row in result.steps():
+        table.add_row(*row)
+    Console().print(table)
+
+
 TpmOpt = Annotated[int | None, typer.Option("--tpm", help="team tokens per minute")]
 RpmOpt = Annotated[int | None, typer.Option("--rpm", help="team requests per minute")]
 DailyOpt = Annotated[int | None, typer.Option("--daily-tokens", help="team token budget per UTC day")]

@@ -1,0 +1,139 @@
+"""Capacity arithmetic for a pool: from model shape and GPU to replicas, GPUs and cost. Pure.
+
+Every input has a preset and can be overridden; `sluice plan` prints each step with its formula, and the
+scaler can take its per-replica capacity default from the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params_billion: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, for every layer and KV head."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_billion * 1e9 * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gib: float
+    price_per_hour: float  # an assumption to override with your own contract price
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_tokens: int = 2000
+    output_tokens: int = 300
+    peak_requests_per_s: float = 20.0
+    headroom: float = 1.3  # provision this much above the peak
+    decode_tokens_per_s_per_seq: float = 25.0  # per sequence at full batch
+    time_to_first_token_s: float = 0.8
+
+
+@dataclass(frozen=True)
+class Deployment:
+    tensor_parallel: int = 4
+    gpu_memory_utilization: float = 0.90
+    overhead_gib_per_gpu: float = 3.0  # activations, CUDA graphs, runtime
+    max_num_seqs: int = 256
+
+
+MODELS = {
+    "llama-70b": ModelShape("llama-70b", 70.6, 80, 8, 128),
+    "llama-8b": ModelShape("llama-8b", 8.0, 32, 8, 128),
+    "qwen-32b": ModelShape("qwen-32b", 32.8, 64, 8, 128),
+}
+GPUS = {
+    "h100": Gpu("H100 80GB", 80.0, 2.50),
+    "h200": Gpu("H200 141GB", 141.0, 3.50),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelShape
+    gpu: Gpu
+    workload: Workload
+    deployment: Deployment
+    kv_bytes_per_token: int
+    replica_memory_bytes: float
+    kv_budget_bytes: float
+    kv_token_capacity: int
+    tokens_per_request: int
+    concurrent_per_replica: int
+    request_seconds: float
+    requests_per_s_per_replica: float
+    replicas: int
+    gpus: int
+    cost_per_million_output_tokens: float
+
+    def steps(self) -> list[tuple[str, str, str]]:
+        """(quantity, value, how) for each step, in order."""
+        m, g, w, d = self.model, self.gpu, self.workload, self.deployment
+        return [
+            ("KV bytes per token", f"{self.kv_bytes_per_token / 1024:.0f} KiB",
+             f"2 x {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} x {m.dtype_bytes} B"),
+            ("weights", f"{m.weight_bytes / GIB:.1f} GiB", f"{m.params_billion}B params x {m.dtype_bytes} B"),
+            ("replica memory", f"{self.replica_memory_bytes / GIB:.1f} GiB",
+             f"{d.tensor_parallel} x {g.memory_gib} GiB x {d.gpu_memory_utilization}"),
+            ("KV budget", f"{self.kv_budget_bytes / GIB:.1f} GiB",
+             f"replica memory - weights - {d.tensor_parallel} x {d.overhead_gib_per_gpu} GiB overhead"),
+            ("KV token capacity", f"{self.kv_token_capacity:,}", "KV budget / KV bytes per token"),
+            ("tokens per request", f"{self.tokens_per_request:,}",
+             f"{w.prompt_tokens} prompt + {w.output_tokens} output"),
+            ("concurrent requests per replica", f"{self.concurrent_per_replica}",
+             f"min(KV capacity / tokens per request, max_num_seqs {d.max_num_seqs})"),
+            ("seconds per request", f"{self.request_seconds:.1f}",
+             f"TTFT {w.time_to_first_token_s} s + {w.output_tokens} / {w.decode_tokens_per_s_per_seq} tok/s"),
+            ("requests/s per replica", f"{self.requests_per_s_per_replica:.2f}",
+             "concurrent / seconds per request"),
+            ("replicas at peak", f"{self.replicas}",
+             f"ceil({w.peak_requests_per_s} req/s x {w.headroom} headroom / per-replica rate)"),
+            ("GPUs at peak", f"{self.gpus}", f"replicas x {d.tensor_parallel}"),
+            ("cost per million output tokens", f"${self.cost_per_million_output_tokens:.2f}",
+             f"{d.tensor_parallel} GPUs x ${g.price_per_hour}/h / output tokens per replica-hour"),
+        ]  # fmt: skip
+
+
+def plan(model: ModelShape, gpu: Gpu, workload: Workload, deployment: Deployment) -> Plan:
+    kv_per_token = model.kv_bytes_per_token
+    replica_memory = deployment.tensor_parallel * gpu.memory_gib * GIB * deployment.gpu_memory_utilization
+    overhead = deployment.tensor_parallel * deployment.overhead_gib_per_gpu * GIB
+    kv_budget = replica_memory - model.weight_bytes - overhead
+    if kv_budget <= 0:
+        raise ValueError(
+            f"{model.name} does not fit on {deployment.tensor_parallel} x {gpu.name}: "
+            f"weights {model.weight_bytes / GIB:.0f} GiB, usable {replica_memory / GIB:.0f} GiB"
+        )
+    kv_tokens = int(kv_budget // kv_per_token)
+    per_request = workload.prompt_tokens + workload.output_tokens
+    concurrent = min(kv_tokens // per_request, deployment.max_num_seqs)
+    if concurrent < 1:
+        raise ValueError(f"one request of {per_request} tokens does not fit in {kv_tokens} KV tokens")
+    seconds = workload.time_to_first_token_s + workload.output_tokens / workload.decode_tokens_per_s_per_seq
+    rate = concurrent / seconds
+    replicas = math.ceil(workload.peak_requests_per_s * workload.headroom / rate)
+    output_per_replica_hour = rate * workload.output_tokens * 3600
+    cost = deployment.tensor_parallel * gpu.price_per_hour / output_per_replica_hour * 1e6
+    return Plan(
+        model, gpu, workload, deployment, kv_per_token, replica_memory, kv_budget, kv_tokens, per_request,
+        concurrent, seconds, rate, replicas, replicas * deployment.tensor_parallel, cost,
+    )  # fmt: skip

@@ -1,0 +1,34 @@
+"""`sluice plan` arithmetic against values computed by hand."""
+
+import pytest
+
+from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
+
+GIB = 1024**3
+
+
+def test_70b_on_h100_chain() -> None:
+    p = plan(MODELS["llama-70b"], GPUS["h100"], Workload(), Deployment())
+    # 2 (K, V) x 80 layers x 8 KV heads x 128 dims x 2 bytes = 327,680 B = 320 KiB
+    assert p.kv_bytes_per_token == 327_680
+    # 4 GPUs x 80 GiB x 0.90 = 288 GiB; minus 141.2e9 B of weights and 4 x 3 GiB overhead
+    assert p.kv_budget_bytes == 276 * GIB - 141.2e9 == 155_152_743_424
+    assert p.kv_token_capacity == 473_488  # floor(155,152,743,424 / 327,680)
+    assert p.concurrent_per_replica == 205  # floor(473,488 / 2,300)
+    assert p.request_seconds == pytest.approx(12.8)  # 0.8 + 300 / 25
+    assert p.requests_per_s_per_replica == pytest.approx(16.015625)  # 205 / 12.8
+    assert p.replicas == 2  # ceil(20 x 1.3 / 16.015625)
+    assert p.gpus == 8
+    # 4 x $2.50 per hour / (16.015625 x 300 x 3600 output tokens per hour) x 1e6
+    assert p.cost_per_million_output_tokens == pytest.approx(0.578139, rel=1e-5)
+    assert p.steps()[0][:2] == ("KV bytes per token", "320 KiB")
+
+
+def test_max_num_seqs_caps_concurrency_and_overrides_apply() -> None:
+    p = plan(MODELS["llama-8b"], GPUS["h200"], Workload(prompt_tokens=200, output_tokens=100), Deployment(1))
+    assert p.concurrent_per_replica == 256
+
+
+def test_a_model_that_does_not_fit_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        plan(MODELS["llama-70b"], GPUS["h100"], Workload(), Deployment(tensor_parallel=1))
