@@ -31,7 +31,6 @@ CONFIG = """
 name = "sim"
 model = "sluice-sim"
 default_max_tokens = 16
-replicas = 2
 max_queued = 100000
 
 [pools.simulated]
@@ -39,10 +38,13 @@ ttft_ms = 0
 token_ms = 1
 max_running = 512
 
+[pools.scaling]
+min_replicas = 2
+max_replicas = 2
+
 [[pools]]
 name = "chat"
 model = "sluice-chat"
-replicas = 2
 max_queued = 100000
 
 [pools.simulated]
@@ -52,11 +54,14 @@ max_running = 512
 min_words = 100
 max_words = 100
 
+[pools.scaling]
+min_replicas = 2
+max_replicas = 2
+
 [[pools]]
 name = "long"
 model = "sluice-long"
 default_max_tokens = 2000
-replicas = 2
 max_queued = 100000
 
 [pools.simulated]
@@ -65,6 +70,10 @@ token_ms = 1
 max_running = 512
 min_words = 400
 max_words = 400
+
+[pools.scaling]
+min_replicas = 2
+max_replicas = 2
 """
 PROMPT_MS_PER_TOKEN = 0.002  # the simulated engine's own prefill cost
 

@@ -95,6 +95,7 @@ class Dispatcher:
             asyncio.create_task(self._kv_loop(stop), name="kv-index"),
             asyncio.create_task(self._cancel_loop(), name="cancels"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),
+            asyncio.create_task(self._report_held(stop), name="report-held"),
         ]
         log.info("dispatcher consuming", topic=self.topic)
         try:
@@ -293,6 +294,16 @@ class Dispatcher:
             except (RedisError, OSError) as exc:
                 log.warning("cancel channel lost", error=str(exc))
                 await asyncio.sleep(0.5)
+
+    async def _report_held(self, stop: asyncio.Event) -> None:
+        """Publish how many requests this dispatcher holds, for the scaler's backlog (expires if we die)."""
+        key = self.names.held(self.pool, self.consumer_id)
+        while not stop.is_set():
+            with contextlib.suppress(RedisError):
+                await self.redis.set(key, len(self.hold), px=3000)
+            await asyncio.sleep(1.0)
+        with contextlib.suppress(RedisError):
+            await self.redis.delete(key)
 
     async def _heartbeat_loop(self) -> None:
         """Heartbeats pushed by workers, so a new or recovered worker is seen before the next re-read."""

@@ -20,5 +20,9 @@ class WorkerSettings(BusSettings):
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
     heartbeat_ttl_ms: int = Field(default=3_000, gt=0)
     flush_interval_ms: float = Field(default=15.0, ge=0, description="how long token deltas are coalesced")
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="how long a draining worker finishes work")
+    drain_grace_s: float = Field(
+        default=1.0, ge=0, description="placements made before dispatchers saw `draining` arrive within this"
+    )
+    spec_decoding: bool = Field(default=False, description="start the engine with speculative decoding")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")

@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import Engine, EngineError
+from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.settings import WorkerSettings
 from queue_schemas.codec import decode, encode
@@ -30,23 +33,11 @@ from queue_schemas.messages import (
     ReplyMode,
     WorkerState,
 )
-from queue_schemas.names import WORKER_INBOX_GROUP
 from queue_schemas.quota import settle
 
 log = structlog.get_logger("sluice.worker")
 
 INBOX_FIELD = b"m"
-
-
-def inbox_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """Entries of the one stream read by XREADGROUP, whether the reply came as RESP2 lists or a RESP3 map."""
-    if not reply:
-        return []
-    streams = list(reply.values()) if isinstance(reply, dict) else [item[1] for item in reply]
-    entries: list[tuple[bytes, dict[bytes, bytes]]] = []
-    for stream in streams:
-        entries.extend((entry_id, fields or {}) for entry_id, fields in stream)
-    return entries
 
 
 # KEYS: cancelled mark, placement record, started mark. ARGV: this worker's id, mark ttl ms.
@@ -87,7 +78,10 @@ class Worker:
         self.load_seconds: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._hb_seq = 0
-        self._inbox = self.names.inbox(settings.worker_id)
+        self.inbox = Inbox(redis, self.names, settings.worker_id)
+        self._inbox_seen_empty = False
+        self.ready_at: float | None = None
+        self._completed: deque[float] = deque()
         self._begin_script = redis.register_script(BEGIN_SCRIPT)
         self.kv = KvPublisher(redis, self.names, settings.worker_id)
 
@@ -100,14 +94,14 @@ class Worker:
             await self.engine.start()
             self.load_seconds = time.monotonic() - t0
             await self.kv.reset()
-            await self._ensure_group()
+            await self.inbox.ensure()
             self.state = WorkerState.READY
+            self.ready_at = time.time()
             await self._publish_heartbeat()
             log.info("worker ready", worker=self.settings.worker_id, pool=self.settings.pool)
-            await self._consume(stop)
-        finally:
-            self.state = WorkerState.DRAINING
+            await self._consume(until=stop.is_set)
             await self._drain()
+        finally:
             for task in (heartbeats, cancels, kv_events):
                 task.cancel()
             for task in (heartbeats, cancels, kv_events):
@@ -115,17 +109,9 @@ class Worker:
                     await task
             await self._retire()
 
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self._inbox, WORKER_INBOX_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    async def _consume(self, stop: asyncio.Event) -> None:
-        # Entries this worker id read before a restart but never acknowledged come first ("0").
-        cursor = "0"
-        while not stop.is_set():
+    async def _consume(self, until: Callable[[], bool]) -> None:
+        """Receive: keep up to max_running requests going until `until()` says stop."""
+        while not until():
             free = self.max_running - len(self._tasks)
             if free <= 0:
                 await asyncio.wait(
@@ -133,26 +119,40 @@ class Worker:
                 )
                 continue
             try:
-                reply = await self.redis.xreadgroup(
-                    WORKER_INBOX_GROUP, self.settings.worker_id, {self._inbox: cursor}, count=free, block=500
-                )
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # The inbox was taken over while this worker was presumed lost: start a fresh one.
-                log.warning("inbox was reset; recreating it")
-                await self._ensure_group()
-                continue
+                entries = await self.inbox.read(free, block_ms=200)
             except RedisError as exc:
                 log.warning("inbox read failed", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
-            entries = inbox_entries(reply)
+            self._inbox_seen_empty = not entries
             for entry_id, fields in entries:
                 self._accept(entry_id, fields)
-            if cursor != ">":
-                # Walking our own pending history: continue after the last entry, then switch to new ones.
-                cursor = entries[-1][0].decode() if entries else ">"
+
+    async def _drain(self) -> None:
+        """Take no new placements; finish what is running and what was already placed here, until a deadline.
+
+        The draining heartbeat goes out first; the grace period covers placements made before the
+        dispatchers saw it. Requests still running at the deadline end with an error event.
+        """
+        self.state = WorkerState.DRAINING
+        await self._publish_heartbeat_quietly()
+        started = time.monotonic()
+        deadline = started + self.settings.drain_timeout_s
+        log.info("draining", in_flight=len(self._tasks))
+
+        def drained() -> bool:
+            now = time.monotonic()
+            settled = (
+                now - started >= self.settings.drain_grace_s and not self._tasks and self._inbox_seen_empty
+            )
+            return settled or now >= deadline
+
+        self._inbox_seen_empty = False
+        await self._consume(until=drained)
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=2.0)
 
     def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -197,6 +197,7 @@ class Worker:
                     chunk = coalescer.add(out, time.monotonic())
                     if isinstance(chunk, FinalChunk):
                         await self._settle(request, chunk.usage.total_tokens)
+                        self._completed.append(time.monotonic())
                     if chunk is not None:
                         await self.redis.publish(channel, encode(chunk))
         except EngineError as exc:
@@ -244,12 +245,7 @@ class Worker:
             await self.redis.publish(channel, encode(chunk))
 
     async def _ack(self, entry_id: bytes) -> None:
-        """Done with an entry: acknowledge and delete it, so what stays in an inbox is unfinished work."""
-        with contextlib.suppress(RedisError):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xack(self._inbox, WORKER_INBOX_GROUP, entry_id)
-                pipe.xdel(self._inbox, entry_id)
-                await pipe.execute()
+        await self.inbox.done(entry_id)
 
     async def _cancel_listener(self) -> None:
         while True:
@@ -293,15 +289,11 @@ class Worker:
                 log.warning("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
-    async def _inbox_lag(self) -> int:
-        try:
-            groups = await self.redis.xinfo_groups(self._inbox)
-        except ResponseError:
-            return 0
-        for group in groups:
-            if group.get("name") in (WORKER_INBOX_GROUP, WORKER_INBOX_GROUP.encode()):
-                return int(group.get("lag") or 0)
-        return 0
+    def _completion_rate(self, window_s: float = 10.0) -> float:
+        now = time.monotonic()
+        while self._completed and now - self._completed[0] > window_s:
+            self._completed.popleft()
+        return len(self._completed) / window_s
 
     async def _publish_heartbeat(self) -> None:
         stats = self.engine.stats()
@@ -319,12 +311,15 @@ class Worker:
             block_size=stats.block_size,
             running=stats.running,
             waiting=stats.waiting,
-            inbox_pending=await self._inbox_lag(),
+            inbox_pending=await self.inbox.undelivered(),
             decode_tokens_per_s=stats.decode_tokens_per_s,
             started_at=self.started_at,
             load_seconds=self.load_seconds,
             kv_events=True,
             kv_index_seq=self.kv.seq,
+            spec_decoding=self.settings.spec_decoding,
+            ready_at=self.ready_at,
+            completed_per_s=self._completion_rate(),
         )
         payload = encode(hb)
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -333,26 +328,24 @@ class Worker:
             pipe.publish(self.names.heartbeat_channel(hb.pool), payload)
             await pipe.execute()
 
-    async def _drain(self) -> None:
-        if self._tasks:
-            log.info("draining", in_flight=len(self._tasks))
-            await self._publish_heartbeat_quietly()
-            _, pending = await asyncio.wait(list(self._tasks.values()), timeout=self.settings.drain_timeout_s)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=2.0)
-
     async def _publish_heartbeat_quietly(self) -> None:
         with contextlib.suppress(RedisError):
             await self._publish_heartbeat()
 
     async def _retire(self) -> None:
+        """Leave the pool. Entries still in the inbox stay there with our membership, and the missing
+        heartbeat makes a dispatcher take them over at once."""
+        names = self.names
         with contextlib.suppress(RedisError):
+            left = await self.inbox.length()
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.delete(self.names.heartbeat(self.settings.pool, self.settings.worker_id))
-                pipe.delete(self.names.kv_index(self.settings.worker_id))
-                pipe.delete(self.names.kv_snapshot(self.settings.worker_id))
-                pipe.srem(self.names.workers(self.settings.pool), self.settings.worker_id)
+                pipe.delete(names.heartbeat(self.settings.pool, self.settings.worker_id))
+                if not left:
+                    pipe.srem(names.workers(self.settings.pool), self.settings.worker_id)
+                    pipe.delete(
+                        names.kv_index(self.settings.worker_id), names.kv_snapshot(self.settings.worker_id)
+                    )
                 await pipe.execute()
+            if left:
+                log.warning("left unfinished entries for a dispatcher to take over", entries=left)
         log.info("worker stopped", worker=self.settings.worker_id)

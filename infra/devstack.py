@@ -112,11 +112,9 @@ class DevStack:
             dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(free_port())}
             argv = [*cli, "dispatcher", "--pool", pool.name]
             self.processes.append(spawn(f"dispatcher-{pool.name}", argv, self.log_dir, dispatcher_env))
-            for i in range(pool.replicas):
-                worker_id = f"{pool.name}-w{i}"
-                argv = [*cli, "worker", "--pool", pool.name, "--worker-id", worker_id]
-                self.processes.append(spawn(f"worker-{worker_id}", argv, self.log_dir, env))
-        scaler = spawn("scaler", [*cli, "scaler", "--port", str(scaler_port)], self.log_dir, env)
+        # The scaler's local backend starts each pool's workers (and more or fewer later, with load).
+        scaler_env = {**env, "SLUICE_BACKEND": "local", "SLUICE_WORKER_LOG_DIR": str(self.log_dir)}
+        scaler = spawn("scaler", [*cli, "scaler", "--port", str(scaler_port)], self.log_dir, scaler_env)
         self.processes.append(scaler)
         url = f"http://127.0.0.1:{port}"
         scaler_url = f"http://127.0.0.1:{scaler_port}"
@@ -159,10 +157,12 @@ class DevStack:
             await redis.aclose()
 
     async def _wait_workers_ready(self, bus: BusSettings, deadline_s: float) -> None:
-        """Every configured replica has sent a `ready` heartbeat."""
+        """Each pool's minimum replicas (started by the scaler) have sent a `ready` heartbeat."""
         names = bus.names
         redis = redis_client(bus)
-        expected = {(p.name, f"{p.name}-w{i}") for p in self.config.pools for i in range(p.replicas)}
+        expected = {
+            (p.name, f"{p.name}-w{i}") for p in self.config.pools for i in range(p.scaling.min_replicas)
+        }
         deadline = time.monotonic() + deadline_s
         try:
             while time.monotonic() < deadline:

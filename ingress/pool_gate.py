@@ -25,10 +25,14 @@ NO_WORKERS_RETRY_S = 10
 
 
 def pool_refusal(pool: PoolConfig, state: PoolState | None, now: float) -> ApiError | None:
-    """Why the pool cannot take a request now, or None when it can (or when nothing is known)."""
+    """Why the pool cannot take a request now, or None when it can (or when nothing is known).
+
+    A pool with no replica up still admits requests when the scaler can start one for them (its
+    minimum is above zero, or it scales from zero on demand); they wait up to the queue timeout.
+    """
     if state is None or now - state.updated_at > STALE_AFTER_S:
         return None
-    if state.ready + state.starting == 0:
+    if state.ready + state.starting == 0 and not pool.scaling.can_activate:
         return ServiceUnavailable(
             f"No worker is serving the model '{pool.model}' right now; retry later.",
             code="no_workers",

@@ -40,6 +40,28 @@ class SimulatedEngineConfig(BaseModel):
         return self
 
 
+class ScalingConfig(BaseModel):
+    """How the scaler sizes the pool (validated again as a policy when the scaler starts)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=0, description="0 disables the pool: no worker will serve it")
+    scale_to_zero: bool = False
+    requests_per_replica_s: float = Field(default=4.0, gt=0, description="capacity until one is measured")
+    startup_s: float = Field(default=180.0, gt=0, description="replica start-up time until one is measured")
+    queue_slo_s: float = Field(default=30.0, gt=0, description="a backlog is drained within this")
+    target_utilization: float = Field(default=0.8, gt=0, le=1)
+    cooldown_s: float = Field(default=300.0, ge=0)
+    step_down_every_s: float = Field(default=60.0, ge=0)
+    spec_decoding: Literal["on", "off", "auto"] = "off"
+
+    @property
+    def can_activate(self) -> bool:
+        """Whether a request may wait for a replica to start when none is up."""
+        return self.max_replicas > 0 and (self.min_replicas > 0 or self.scale_to_zero)
+
+
 class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -57,12 +79,12 @@ class PoolConfig(BaseModel):
     block_size: int = Field(default=16, gt=0)
     partitions: int = Field(default=4, gt=0)
     tensor_parallel_size: int = Field(default=1, gt=0)
-    replicas: int = Field(default=1, ge=0, description="replicas the dev stack starts")
     max_queued: int = Field(
         default=2000, gt=0, description="admission refuses new requests while lag + held requests reach this"
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
+    scaling: ScalingConfig = ScalingConfig()
 
 
 class SluiceConfig(BaseModel):

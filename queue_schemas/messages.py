@@ -152,6 +152,8 @@ class Heartbeat(Message):
     kv_index_seq: int = Field(default=0, ge=0)
     started_at: float
     load_seconds: float | None = None
+    ready_at: float | None = Field(default=None, description="when the worker became ready (epoch seconds)")
+    completed_per_s: float = Field(default=0.0, ge=0.0, description="requests finished per second, recently")
 
 
 class CancelNotice(Message):

@@ -48,6 +48,9 @@ class Names:
     def reservation(self, request_id: str) -> str:
         return f"{self.prefix}:resv:{request_id}"
 
+    def held(self, pool: str, dispatcher_id: str) -> str:
+        return f"{self.prefix}:held:{pool}:{dispatcher_id}"
+
     def pool_state(self, pool: str) -> str:
         return f"{self.prefix}:poolstate:{pool}"
 

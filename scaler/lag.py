@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from queue_schemas.messages import Heartbeat, PoolState, WorkerState
 
@@ -27,6 +27,8 @@ class PoolLag:
     group: str
     partitions: Mapping[int, int]
     read_at: float
+    committed: Mapping[int, int] = field(default_factory=dict)
+    end_total: int = 0  # every request ever produced to the topic (arrivals)
 
     @property
     def total(self) -> int:
@@ -49,12 +51,13 @@ def pool_lag(
     return PoolLag(pool, topic, group, lags, read_at)
 
 
-def pool_state(lag: PoolLag, heartbeats: Sequence[Heartbeat], now: float) -> PoolState:
+def pool_state(lag: PoolLag, heartbeats: Sequence[Heartbeat], now: float, held: int = 0) -> PoolState:
     """What admission control needs to know of a pool: its backlog and its workers by state."""
     states = Counter(hb.state for hb in heartbeats if now - hb.sent_at <= hb.ttl_ms / 1000)
     return PoolState(
         pool=lag.pool,
         lag=lag.total,
+        held=held,
         ready=states[WorkerState.READY],
         starting=states[WorkerState.STARTING],
         draining=states[WorkerState.DRAINING],

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from queue_schemas.config import ScalingConfig
+
 Action = Literal["up", "down", "hold"]
 
 
@@ -27,12 +29,14 @@ class ScalingPolicy:
     scale_to_zero: bool = False
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 0 or self.max_replicas < 1:
-            raise ValueError("min_replicas must be >= 0 and max_replicas >= 1")
+        if self.min_replicas < 0 or self.max_replicas < 0:
+            raise ValueError("min_replicas and max_replicas must be >= 0")
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
-        if self.min_replicas == 0 and not self.scale_to_zero:
-            raise ValueError("min_replicas = 0 needs scale_to_zero = true")
+        if self.min_replicas == 0 and self.max_replicas > 0 and not self.scale_to_zero:
+            raise ValueError(
+                "min_replicas = 0 needs scale_to_zero = true (or max_replicas = 0 to disable the pool)"
+            )
         if not 0 < self.target_utilization <= 1:
             raise ValueError("target_utilization must be in (0, 1]")
 
@@ -73,7 +77,7 @@ def desired_replicas(s: PoolSignals, p: ScalingPolicy) -> tuple[int, float, str]
     desired = serve + drain
     why = f"forecast {forecast:.2f} req/s needs {serve}, backlog {s.backlog} needs {drain}"
     floor = p.min_replicas
-    if floor == 0 and (s.backlog > 0 or forecast > 0):
+    if floor == 0 and p.max_replicas > 0 and (s.backlog > 0 or forecast > 0):
         floor = 1  # activation: any demand wakes a pool scaled to zero
     if desired < floor:
         desired, why = floor, why + f"; at least {floor}"
@@ -108,3 +112,16 @@ def decide(s: PoolSignals, p: ScalingPolicy, memory: ScalerMemory) -> Verdict:
         )
     memory.last_change_at = s.now
     return Verdict("down", current - 1, desired, forecast, f"{why}; draining one replica")
+
+
+def policy_from_config(config: ScalingConfig) -> ScalingPolicy:
+    """The pool file's scaling section as a policy; raises ValueError naming what is inconsistent."""
+    return ScalingPolicy(
+        min_replicas=config.min_replicas,
+        max_replicas=config.max_replicas,
+        queue_slo_s=config.queue_slo_s,
+        target_utilization=config.target_utilization,
+        cooldown_s=config.cooldown_s,
+        step_down_every_s=config.step_down_every_s,
+        scale_to_zero=config.scale_to_zero,
+    )

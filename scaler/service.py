@@ -1,29 +1,40 @@
-"""The scaler's loop: read offsets from the broker each tick, compute lag, export it."""
+"""The scaler's loop, per pool and tick: measure, decide, act, export.
+
+measure: lag from the broker (end offsets minus the dispatcher group's commits), requests held by
+dispatchers and workers' heartbeats from Redis; decide: the scaling policy and the speculative-decoding
+policy; act: the backend; export: metrics, the lag status and the pool state admission control reads.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
-from prometheus_client import Gauge
 from redis.exceptions import RedisError
 
 from queue_schemas.codec import encode
-from queue_schemas.messages import PoolState
+from queue_schemas.config import PoolConfig
 from queue_schemas.names import Names
 from queue_schemas.state import read_heartbeats
+from scaler import metrics
+from scaler.backends import Backend
+from scaler.burrow import LagWindow, Status, pool_status
+from scaler.forecast import ArrivalEstimator
 from scaler.lag import PoolLag, pool_lag, pool_state
+from scaler.policy import PoolSignals, ScalerMemory, ScalingPolicy, Verdict, decide, policy_from_config
+from scaler.signals import ReplicaMeasures, pool_signals, spec_decoding_on
 
 log = structlog.get_logger("sluice.scaler")
 
-PARTITION_LAG = Gauge("sluice_consumer_lag", "Dispatcher-group lag per partition", ["pool", "partition"])
-POOL_LAG = Gauge("sluice_pool_lag", "Dispatcher-group lag summed over a pool's partitions", ["pool"])
-LAG_READ_AT = Gauge("sluice_lag_read_timestamp_seconds", "When the pool's lag was last read", ["pool"])
+SPEC_LOW_BATCH = 4.0
+SPEC_HIGH_BATCH = 8.0
 
 
 class LagReader:
@@ -64,35 +75,136 @@ class LagReader:
         return []
 
 
-def export(lag: PoolLag) -> None:
-    for partition, value in lag.partitions.items():
-        PARTITION_LAG.labels(lag.pool, str(partition)).set(value)
-    POOL_LAG.labels(lag.pool).set(lag.total)
-    LAG_READ_AT.labels(lag.pool).set(lag.read_at)
+@dataclass
+class PoolReport:
+    """The latest of everything the scaler knows of a pool (served as JSON and used by dashboards)."""
+
+    lag: PoolLag
+    status: Status
+    partition_status: dict[int, Status]
+    signals: PoolSignals
+    verdict: Verdict
+    held: int
+    spec_decoding: bool
 
 
-async def publish_state(redis: aioredis.Redis, names: Names, lag: PoolLag, ttl_s: float) -> PoolState:
-    beats, _ = await read_heartbeats(redis, names, lag.pool)
-    state = pool_state(lag, beats, time.time())
-    await redis.set(names.pool_state(lag.pool), encode(state), px=int(ttl_s * 1000))
-    return state
+@dataclass
+class PoolController:
+    config: PoolConfig
+    policy: ScalingPolicy
+    estimator: ArrivalEstimator = field(default_factory=ArrivalEstimator)
+    memory: ScalerMemory = field(default_factory=ScalerMemory)
+    window: LagWindow = field(default_factory=LagWindow)
+    running_window: deque[float] = field(default_factory=lambda: deque(maxlen=30))
+    spec_on: bool = False
+    measures: ReplicaMeasures | None = None
+
+    def __post_init__(self) -> None:
+        scaling = self.config.scaling
+        self.measures = ReplicaMeasures(scaling.requests_per_replica_s, scaling.startup_s)
+        self.spec_on = scaling.spec_decoding == "on"
 
 
-async def lag_loop(
-    reader: LagReader,
-    redis: aioredis.Redis,
-    pools: list[str],
-    tick_s: float,
-    latest: dict[str, PoolLag],
-) -> None:
-    """Each tick: read every pool's lag, export it, and publish the pool state admission control reads."""
-    while True:
-        for pool in pools:
-            try:
-                lag = await reader.read(pool)
-                latest[pool] = lag
-                export(lag)
-                await publish_state(redis, reader.names, lag, ttl_s=3 * tick_s)
-            except (KafkaError, RedisError) as exc:
-                log.warning("pool read failed", pool=pool, error=str(exc))
-        await asyncio.sleep(tick_s)
+def controllers(pools: list[PoolConfig]) -> dict[str, PoolController]:
+    """One controller per pool; a scaling section that is not a valid policy stops the scaler at start."""
+    out = {}
+    for pool in pools:
+        try:
+            out[pool.name] = PoolController(pool, policy_from_config(pool.scaling))
+        except ValueError as exc:
+            raise ValueError(f"pool {pool.name}: {exc}") from None
+    return out
+
+
+class Scaler:
+    def __init__(
+        self,
+        reader: LagReader,
+        redis: aioredis.Redis,
+        backend: Backend,
+        pools: dict[str, PoolController],
+        tick_s: float,
+    ) -> None:
+        self.reader = reader
+        self.redis = redis
+        self.names = reader.names
+        self.backend = backend
+        self.pools = pools
+        self.tick_s = tick_s
+        self.reports: dict[str, PoolReport] = {}
+
+    async def run(self) -> None:
+        while True:
+            for name in self.pools:
+                try:
+                    await self.tick(name)
+                except (KafkaError, RedisError) as exc:
+                    log.warning("pool tick failed", pool=name, error=str(exc))
+            await asyncio.sleep(self.tick_s)
+
+    async def tick(self, name: str) -> PoolReport:
+        c = self.pools[name]
+        assert c.measures is not None
+        # measure
+        lag = await self.reader.read(name)
+        beats, _ = await read_heartbeats(self.redis, self.names, name)
+        held, dispatchers = await self._held(name)
+        now = time.time()
+        for partition, value in lag.partitions.items():
+            c.window.record(now, partition, lag.committed.get(partition, 0), value)
+        statuses = c.window.statuses(has_consumers=dispatchers > 0)
+        rate, trend = c.estimator.observe(now, lag.end_total)
+        c.measures.observe(beats)
+        launching = self.backend.launching(name, {hb.worker_id for hb in beats})
+        signals = pool_signals(now, lag.total, held, beats, launching, rate, trend, c.measures)
+        # decide
+        verdict = decide(signals, c.policy, c.memory)
+        ready = [hb for hb in beats if hb.state == "ready"]
+        if ready:
+            c.running_window.append(sum(hb.running for hb in ready) / len(ready))
+        mode = c.config.scaling.spec_decoding
+        c.spec_on = spec_decoding_on(mode, list(c.running_window), c.spec_on, SPEC_LOW_BATCH, SPEC_HIGH_BATCH)
+        # act
+        self.backend.apply(name, verdict, beats, c.spec_on)
+        if verdict.action != "hold":
+            log.info(
+                "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason
+            )
+        # export
+        report = PoolReport(lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on)
+        self.reports[name] = report
+        self._export(name, report, c)
+        state = pool_state(lag, beats, now, held)
+        await self.redis.set(self.names.pool_state(name), encode(state), px=int(3 * self.tick_s * 1000))
+        return report
+
+    async def _held(self, pool: str) -> tuple[int, int]:
+        """(requests held, live dispatchers) from the keys each dispatcher refreshes every second."""
+        keys = [k async for k in self.redis.scan_iter(match=self.names.held(pool, "*"), count=100)]
+        if not keys:
+            return 0, 0
+        values = await self.redis.mget(keys)
+        return sum(int(v) for v in values if v is not None), sum(1 for v in values if v is not None)
+
+    def _export(self, pool: str, r: PoolReport, c: PoolController) -> None:
+        for partition, value in r.lag.partitions.items():
+            metrics.PARTITION_LAG.labels(pool, str(partition)).set(value)
+        metrics.POOL_LAG.labels(pool).set(r.lag.total)
+        metrics.LAG_READ_AT.labels(pool).set(r.lag.read_at)
+        for status in Status:
+            metrics.LAG_STATUS.labels(pool, status.value).set(1 if status is r.status else 0)
+        metrics.HELD.labels(pool).set(r.held)
+        metrics.BACKLOG.labels(pool).set(r.signals.backlog)
+        metrics.ARRIVAL.labels(pool).set(r.signals.arrival_rate)
+        metrics.FORECAST.labels(pool).set(r.verdict.forecast)
+        metrics.CAPACITY.labels(pool).set(r.signals.capacity_per_replica)
+        metrics.STARTUP.labels(pool).set(r.signals.startup_s)
+        for state, count in (
+            ("ready", r.signals.ready),
+            ("starting", r.signals.starting),
+            ("draining", r.signals.draining),
+            ("desired", r.verdict.desired),
+        ):
+            metrics.REPLICAS.labels(pool, state).set(count)
+        metrics.DECISIONS.labels(pool, r.verdict.action).inc()
+        metrics.SPEC_DECODING.labels(pool).set(1 if c.spec_on else 0)

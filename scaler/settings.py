@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
 from pydantic import Field
 
 from queue_schemas.settings import BusSettings
@@ -8,4 +11,13 @@ from queue_schemas.settings import BusSettings
 class ScalerSettings(BusSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8010, ge=0, le=65535)
-    tick_s: float = Field(default=2.0, gt=0, description="how often lag is read")
+    tick_s: float = Field(default=2.0, gt=0, description="how often each pool is measured and decided")
+    backend: Literal["dry-run", "local"] = Field(
+        default="dry-run", description="`local` starts and drains worker processes on this machine"
+    )
+    worker_log_dir: Path = Field(
+        default=Path(".sluice/logs"), description="where local workers write their logs"
+    )
+    shutdown_drain_s: float = Field(
+        default=20.0, ge=0, description="how long local workers get to drain at exit"
+    )

@@ -37,9 +37,11 @@ token_ms = 5
 fail_after_tokens = 5
 
 [[pools]]
-name = "empty"           # configured but no worker
+name = "empty"           # configured but disabled: no worker will serve it
 model = "sluice-empty"
-replicas = 0
+[pools.scaling]
+min_replicas = 0
+max_replicas = 0
 
 [[pools]]
 name = "tok"             # a real BPE tokenizer and chat template from a model folder

@@ -1,0 +1,133 @@
+"""Where scaling decisions are carried out: `dry-run` logs them; `local` starts and drains worker processes.
+
+The local backend starts `python -m gpu_workers` children in its own process group (so stopping the
+scaler's group stops them too) and scales down by SIGTERM, which makes a worker drain: it announces
+`draining`, takes no new placements, finishes what it has, and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from queue_schemas.messages import Heartbeat, WorkerState
+from scaler.policy import Verdict
+
+log = structlog.get_logger("sluice.scaler.backend")
+
+
+class Backend(Protocol):
+    def launching(self, pool: str, known: set[str]) -> int:
+        """Replicas this backend started that have not sent a heartbeat yet."""
+        ...
+
+    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None: ...
+
+    def close(self, timeout_s: float) -> None: ...
+
+
+class DryRunBackend:
+    def launching(self, pool: str, known: set[str]) -> int:
+        return 0
+
+    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
+        if verdict.action != "hold":
+            log.info(
+                "would scale", pool=pool, action=verdict.action, target=verdict.target, reason=verdict.reason
+            )
+
+    def close(self, timeout_s: float) -> None:
+        return None
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def pick_to_drain(beats: Sequence[Heartbeat], owned: set[str]) -> str | None:
+    """The ready replica we own with the least work, so draining it finishes soonest. Pure."""
+    ready = [hb for hb in beats if hb.state is WorkerState.READY and hb.worker_id in owned]
+    if not ready:
+        return None
+    return min(ready, key=lambda hb: (hb.running + hb.waiting + hb.inbox_pending, hb.worker_id)).worker_id
+
+
+def next_worker_id(pool: str, taken: set[str]) -> str:
+    n = 0
+    while f"{pool}-w{n}" in taken:
+        n += 1
+    return f"{pool}-w{n}"
+
+
+class LocalBackend:
+    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
+        self._log_dir = log_dir
+        self._env = dict(env)
+        self._procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}  # worker id -> (pool, process)
+
+    def _alive(self, pool: str) -> dict[str, subprocess.Popen[bytes]]:
+        for worker_id, (_, proc) in list(self._procs.items()):
+            if proc.poll() is not None:
+                log.info("worker exited", worker=worker_id, code=proc.returncode)
+                del self._procs[worker_id]
+        return {w: p for w, (owner, p) in self._procs.items() if owner == pool}
+
+    def launching(self, pool: str, known: set[str]) -> int:
+        return sum(1 for worker_id in self._alive(pool) if worker_id not in known)
+
+    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
+        owned = self._alive(pool)
+        if verdict.action == "up":
+            known = {hb.worker_id for hb in beats if hb.state is not WorkerState.DRAINING}
+            current = len(known | set(owned))
+            for _ in range(max(0, verdict.target - current)):
+                self._start(
+                    pool,
+                    next_worker_id(pool, {hb.worker_id for hb in beats} | set(self._procs)),
+                    spec_decoding,
+                )
+        elif verdict.action == "down":
+            victim = pick_to_drain(beats, set(owned))
+            if victim is None:
+                log.warning("no replica of ours to drain", pool=pool)
+                return
+            log.info("draining worker", pool=pool, worker=victim, reason=verdict.reason)
+            owned[victim].send_signal(signal.SIGTERM)
+
+    def _start(self, pool: str, worker_id: str, spec_decoding: bool) -> None:
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**self._env, "SLUICE_SPEC_DECODING": "true" if spec_decoding else "false"}
+        argv = [sys.executable, "-m", "gpu_workers", "--pool", pool, "--worker-id", worker_id]
+        with (self._log_dir / f"worker-{worker_id}.log").open("ab") as out:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        self._procs[worker_id] = (pool, proc)
+        log.info("started worker", pool=pool, worker=worker_id, pid=proc.pid)
+
+    def close(self, timeout_s: float) -> None:
+        """Drain every worker we started, then kill what is left after `timeout_s`."""
+        for _, proc in self._procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for worker_id, (_, proc) in self._procs.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker did not drain in time; killing", worker=worker_id)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        self._procs.clear()

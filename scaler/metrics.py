@@ -1,0 +1,21 @@
+from prometheus_client import Counter, Gauge
+
+PARTITION_LAG = Gauge("sluice_consumer_lag", "Dispatcher-group lag per partition", ["pool", "partition"])
+POOL_LAG = Gauge("sluice_pool_lag", "Dispatcher-group lag summed over a pool's partitions", ["pool"])
+LAG_READ_AT = Gauge("sluice_lag_read_timestamp_seconds", "When the pool's lag was last read", ["pool"])
+LAG_STATUS = Gauge(
+    "sluice_lag_status", "1 for the pool's current lag status (Burrow's terms)", ["pool", "status"]
+)
+HELD = Gauge("sluice_pool_held", "Requests held by the pool's dispatchers", ["pool"])
+BACKLOG = Gauge("sluice_pool_backlog", "Lag + held + undelivered inbox entries", ["pool"])
+ARRIVAL = Gauge("sluice_pool_arrival_rate", "Requests per second arriving, smoothed", ["pool"])
+FORECAST = Gauge("sluice_pool_forecast_rate", "Arrival rate forecast one replica start-up ahead", ["pool"])
+CAPACITY = Gauge(
+    "sluice_pool_replica_capacity", "Requests per second one replica serves (measured)", ["pool"]
+)
+STARTUP = Gauge("sluice_pool_replica_startup_seconds", "Replica start-up time (measured)", ["pool"])
+REPLICAS = Gauge("sluice_pool_replicas", "Replicas by state, and the desired count", ["pool", "state"])
+DECISIONS = Counter("sluice_scaler_decisions_total", "Scaling verdicts by action", ["pool", "action"])
+SPEC_DECODING = Gauge(
+    "sluice_pool_spec_decoding", "1 if new replicas start with speculative decoding", ["pool"]
+)

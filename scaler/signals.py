@@ -1,0 +1,86 @@
+"""What the scaler measures of a pool, turned into PoolSignals for the policy. Pure.
+
+Per-replica capacity and start-up time start from the pool file's figures and follow what the workers
+report: completions per second of replicas that were busy (so idle replicas do not drag the figure
+down), and the time from a worker's process start to its first `ready` heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from queue_schemas.messages import Heartbeat, WorkerState
+from scaler.policy import PoolSignals
+
+
+class Ewma:
+    def __init__(self, initial: float, weight: float = 0.2) -> None:
+        self.value = initial
+        self.weight = weight
+        self.samples = 0
+
+    def add(self, sample: float) -> float:
+        self.value = sample if self.samples == 0 else self.weight * sample + (1 - self.weight) * self.value
+        self.samples += 1
+        return self.value
+
+
+class ReplicaMeasures:
+    def __init__(self, capacity_default: float, startup_default: float) -> None:
+        self.capacity = Ewma(capacity_default)
+        self.startup = Ewma(startup_default)
+        self._started_seen: set[tuple[str, float]] = set()
+
+    def observe(self, beats: Sequence[Heartbeat]) -> None:
+        for hb in beats:
+            if hb.state is WorkerState.READY and hb.ready_at is not None:
+                key = (hb.worker_id, hb.started_at)
+                if key not in self._started_seen:
+                    self._started_seen.add(key)
+                    self.startup.add(max(0.0, hb.ready_at - hb.started_at))
+            busy = hb.waiting > 0 or hb.inbox_pending > 0
+            if hb.state is WorkerState.READY and busy and hb.completed_per_s > 0:
+                self.capacity.add(hb.completed_per_s)
+
+
+def pool_signals(
+    now: float,
+    lag: int,
+    held: int,
+    beats: Sequence[Heartbeat],
+    launching: int,
+    arrival_rate: float,
+    arrival_trend: float,
+    measures: ReplicaMeasures,
+) -> PoolSignals:
+    """`launching`: replicas started by the backend that have not sent a heartbeat yet."""
+    fresh = [hb for hb in beats if now - hb.sent_at <= hb.ttl_ms / 1000]
+    by_state = {state: sum(1 for hb in fresh if hb.state is state) for state in WorkerState}
+    return PoolSignals(
+        now=now,
+        backlog=lag + held + sum(hb.inbox_pending for hb in fresh),
+        arrival_rate=arrival_rate,
+        arrival_trend=arrival_trend,
+        ready=by_state[WorkerState.READY],
+        starting=by_state[WorkerState.STARTING] + launching,
+        draining=by_state[WorkerState.DRAINING],
+        capacity_per_replica=measures.capacity.value,
+        startup_s=measures.startup.value,
+    )
+
+
+def spec_decoding_on(
+    mode: str, running_per_replica: Sequence[float], now_on: bool, low: float, high: float
+) -> bool:
+    """Speculative decoding for new replicas: on while the running batch per replica stays small.
+
+    Hysteresis: `auto` turns it on only at or below `low` and off only at or above `high`.
+    """
+    if mode in ("on", "off"):
+        return mode == "on"
+    if not running_per_replica:
+        return now_on
+    average = sum(running_per_replica) / len(running_per_replica)
+    if now_on:
+        return average < high
+    return average <= low
