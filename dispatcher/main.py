@@ -12,16 +12,23 @@ from prometheus_client import start_http_server
 from dispatcher.service import Dispatcher
 from dispatcher.settings import DispatcherSettings
 from queue_schemas.clients import (
+    BusUnavailable,
     configure_logging,
     consumer_options,
     producer_options,
     redis_client,
     with_backoff,
 )
+from queue_schemas.config import ConfigError
 
 
 async def serve(settings: DispatcherSettings) -> None:
-    settings.load_pools().pool(settings.pool)  # fail fast on an unknown pool
+    try:
+        settings.load_pools().pool(settings.pool)
+    except KeyError as exc:
+        raise SystemExit(f"sluice dispatcher: {exc.args[0]}") from None
+    except ConfigError as exc:
+        raise SystemExit(f"sluice dispatcher: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -29,8 +36,12 @@ async def serve(settings: DispatcherSettings) -> None:
     redis = redis_client(settings)
     consumer = AIOKafkaConsumer(**consumer_options(settings, settings.names.dispatcher_group(settings.pool)))
     producer = AIOKafkaProducer(**producer_options(settings))
-    await with_backoff(consumer.start, "kafka consumer start")
-    await with_backoff(producer.start, "kafka producer start")
+    await with_backoff(
+        consumer.start,
+        f"connecting to Kafka at {settings.kafka_bootstrap}",
+        attempts=settings.connect_attempts,
+    )
+    await with_backoff(producer.start, "kafka producer start", attempts=settings.connect_attempts)
     try:
         await Dispatcher(settings, redis, consumer, producer).run(stop)
     finally:
@@ -43,4 +54,7 @@ def run(settings: DispatcherSettings) -> None:
     configure_logging(settings, "dispatcher")
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="127.0.0.1")
-    uvloop.run(serve(settings))
+    try:
+        uvloop.run(serve(settings))
+    except BusUnavailable as exc:
+        raise SystemExit(f"sluice dispatcher: {exc}") from None

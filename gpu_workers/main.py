@@ -13,7 +13,7 @@ from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
 from queue_schemas.clients import configure_logging, redis_client
-from queue_schemas.config import PoolConfig
+from queue_schemas.config import ConfigError, PoolConfig
 
 
 def build_engine(pool: PoolConfig) -> Engine:
@@ -23,7 +23,12 @@ def build_engine(pool: PoolConfig) -> Engine:
 
 
 async def serve(settings: WorkerSettings) -> None:
-    pool = settings.load_pools().pool(settings.pool)
+    try:
+        pool = settings.load_pools().pool(settings.pool)
+    except KeyError as exc:
+        raise SystemExit(f"sluice worker: {exc.args[0]}") from None
+    except ConfigError as exc:
+        raise SystemExit(f"sluice worker: {exc}") from None
     redis = redis_client(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -34,7 +34,11 @@ def create_app(settings: IngressSettings) -> FastAPI:
         redis = redis_client(settings)
         hub = StreamHub(redis, f"{settings.prefix}:ingress:control")
         producer = AIOKafkaProducer(**producer_options(settings))
-        await with_backoff(producer.start, "kafka producer start")
+        await with_backoff(
+            producer.start,
+            f"connecting to Kafka at {settings.kafka_bootstrap}",
+            attempts=settings.connect_attempts,
+        )
         await hub.start()
         names = settings.names
         app.state.ctx = IngressContext(

@@ -58,6 +58,10 @@ def consumer_options(settings: BusSettings, group_id: str | None) -> dict[str, A
     }
 
 
+class BusUnavailable(RuntimeError):
+    """The broker or Redis could not be reached at start-up, after every retry."""
+
+
 async def with_backoff(
     action: Callable[[], Awaitable[T]],
     what: str,
@@ -66,15 +70,19 @@ async def with_backoff(
     first_delay: float = 0.1,
     max_delay: float = 2.0,
 ) -> T:
-    """Run `action` until it succeeds, sleeping with jittered exponential backoff between failures."""
+    """Run `action` until it succeeds, sleeping with jittered exponential backoff between failures.
+
+    Raises BusUnavailable, naming `what` and the last error, when every attempt failed.
+    """
     delay = first_delay
     for attempt in range(1, attempts + 1):
         try:
             return await action()
         except Exception as exc:
+            reason = str(exc) or type(exc).__name__
             if attempt == attempts:
-                raise
-            log.warning("retrying", what=what, attempt=attempt, error=str(exc) or type(exc).__name__)
+                raise BusUnavailable(f"{what} failed {attempts} times; last error: {reason}") from exc
+            log.warning("retrying", what=what, attempt=attempt, error=reason)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, max_delay)
     raise AssertionError("unreachable")

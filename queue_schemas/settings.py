@@ -27,6 +27,9 @@ class BusSettings(BaseSettings):
     kafka_heartbeat_interval_ms: int = Field(default=3_000, gt=0)
     kafka_request_timeout_ms: int = Field(default=10_000, gt=0)
     redis_max_connections: int = Field(default=64, gt=0)
+    connect_attempts: int = Field(
+        default=30, gt=0, description="start-up retries before giving up on the bus"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = False
 

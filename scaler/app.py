@@ -58,8 +58,12 @@ def create_app(settings: ScalerSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
         consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
-        await with_backoff(admin.start, "kafka admin start")
-        await with_backoff(consumer.start, "kafka consumer start")
+        await with_backoff(
+            admin.start,
+            f"connecting to Kafka at {settings.kafka_bootstrap}",
+            attempts=settings.connect_attempts,
+        )
+        await with_backoff(consumer.start, "kafka consumer start", attempts=settings.connect_attempts)
         redis = redis_client(settings)
         scaler["loop"] = Scaler(
             LagReader(admin, consumer, settings.names), redis, backend, plans, settings.tick_s

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -17,6 +21,7 @@ from dispatcher.settings import DispatcherSettings
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
+from infra.launcher import ManagedProcess, spawn
 from queue_schemas.clients import consumer_options, producer_options, redis_client
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import InferenceRequest, SamplingParams
@@ -103,3 +108,37 @@ async def pipeline(
         await consumer.stop()
         await producer.stop()
         await redis.aclose()
+
+
+class Services:
+    """Dispatchers and workers as real processes, so they can be killed with SIGKILL."""
+
+    def __init__(self, settings: BusSettings, tmp: Path, pool_file: str) -> None:
+        config = tmp / "pools.toml"
+        config.write_text(pool_file)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        self.env.update(
+            SLUICE_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+            SLUICE_REDIS_URL=settings.redis_url,
+            SLUICE_PREFIX=settings.prefix,
+            SLUICE_CONFIG=str(config),
+            SLUICE_KAFKA_FETCH_WAIT_MS="5",
+            SLUICE_KAFKA_SESSION_TIMEOUT_MS="3000",
+            SLUICE_KAFKA_HEARTBEAT_INTERVAL_MS="500",
+            SLUICE_HEARTBEAT_INTERVAL_S="0.3",
+            SLUICE_HEARTBEAT_TTL_MS="1500",
+        )
+        self.logs = tmp / "logs"
+        self.procs: dict[str, ManagedProcess] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        argv = [sys.executable, "-m", "infra.cli", *args]
+        self.procs[name] = spawn(name, argv, self.logs, self.env)
+
+    def kill9(self, name: str) -> None:
+        os.kill(self.procs[name].popen.pid, signal.SIGKILL)
+        self.procs[name].popen.wait(5)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop(timeout=10)

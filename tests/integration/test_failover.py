@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,13 +11,12 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from infra.launcher import ManagedProcess, spawn
 from queue_schemas.clients import producer_options, redis_client
 from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.messages import ErrorChunk, FinalChunk, Heartbeat, StreamEvent, TokenChunk
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
-from tests.integration.helpers import create_topics, make_request
+from tests.integration.helpers import Services, create_topics, make_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -34,40 +30,6 @@ ttft_ms = 5
 token_ms = {token_ms}
 max_running = {max_running}
 """
-
-
-class Services:
-    """Dispatchers and workers as real processes, so they can be killed with SIGKILL."""
-
-    def __init__(self, settings: BusSettings, tmp: Path, token_ms: int, max_running: int) -> None:
-        config = tmp / "pools.toml"
-        config.write_text(POOL_FILE.format(token_ms=token_ms, max_running=max_running))
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-        self.env.update(
-            SLUICE_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-            SLUICE_REDIS_URL=settings.redis_url,
-            SLUICE_PREFIX=settings.prefix,
-            SLUICE_CONFIG=str(config),
-            SLUICE_KAFKA_FETCH_WAIT_MS="5",
-            SLUICE_KAFKA_SESSION_TIMEOUT_MS="3000",
-            SLUICE_KAFKA_HEARTBEAT_INTERVAL_MS="500",
-            SLUICE_HEARTBEAT_INTERVAL_S="0.3",
-            SLUICE_HEARTBEAT_TTL_MS="1500",
-        )
-        self.logs = tmp / "logs"
-        self.procs: dict[str, ManagedProcess] = {}
-
-    def start(self, name: str, *args: str) -> None:
-        argv = [sys.executable, "-m", "infra.cli", *args]
-        self.procs[name] = spawn(name, argv, self.logs, self.env)
-
-    def kill9(self, name: str) -> None:
-        os.kill(self.procs[name].popen.pid, signal.SIGKILL)
-        self.procs[name].popen.wait(5)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop(timeout=10)
 
 
 async def wait_workers(redis: aioredis.Redis, settings: BusSettings, ids: list[str]) -> None:
@@ -128,7 +90,7 @@ async def run_load(
     await create_topics(
         settings, settings.names.requests_topic("sim"), settings.names.deadletter_topic(), partitions=4
     )
-    services = Services(settings, tmp, token_ms, max_running)
+    services = Services(settings, tmp, POOL_FILE.format(token_ms=token_ms, max_running=max_running))
     redis = redis_client(settings)
     for i in range(dispatchers):
         services.start(f"dispatcher-{i}", "dispatcher", "--pool", "sim")
