@@ -296,11 +296,23 @@ class Dispatcher:
                 await asyncio.sleep(0.5)
 
     async def _report_held(self, stop: asyncio.Event) -> None:
-        """Publish how many requests this dispatcher holds, for the scaler's backlog (expires if we die)."""
+        """Publish, for the scaler, how many requests this dispatcher holds (expires if we die) and the high
+        watermark of each partition it owns, as fetch responses report it (right even where a broker's
+        ListOffsets undercounts)."""
         key = self.names.held(self.pool, self.consumer_id)
         while not stop.is_set():
+            marks: dict[Any, Any] = {}
+            for tp in self.consumer.assignment():
+                mark = self.consumer.highwater(tp)
+                if tp.topic == self.topic and mark is not None:
+                    marks[str(tp.partition)] = mark
             with contextlib.suppress(RedisError):
-                await self.redis.set(key, len(self.hold), px=3000)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.set(key, len(self.hold), px=3000)
+                    if marks:
+                        pipe.hset(self.names.highwater(self.pool), mapping=marks)
+                        pipe.pexpire(self.names.highwater(self.pool), 5000)
+                    await pipe.execute()
             await asyncio.sleep(1.0)
         with contextlib.suppress(RedisError):
             await self.redis.delete(key)

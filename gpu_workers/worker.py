@@ -149,6 +149,10 @@ class Worker:
 
         self._inbox_seen_empty = False
         await self._consume(until=drained)
+        if self._tasks or not self._inbox_seen_empty:
+            log.warning(
+                "drain deadline reached", running=len(self._tasks), inbox_empty=self._inbox_seen_empty
+            )
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:

@@ -51,6 +51,9 @@ class Names:
     def held(self, pool: str, dispatcher_id: str) -> str:
         return f"{self.prefix}:held:{pool}:{dispatcher_id}"
 
+    def highwater(self, pool: str) -> str:
+        return f"{self.prefix}:highwater:{pool}"
+
     def pool_state(self, pool: str) -> str:
         return f"{self.prefix}:poolstate:{pool}"
 

@@ -65,9 +65,8 @@ def create_app(settings: ScalerSettings) -> FastAPI:
         )
         await with_backoff(consumer.start, "kafka consumer start", attempts=settings.connect_attempts)
         redis = redis_client(settings)
-        scaler["loop"] = Scaler(
-            LagReader(admin, consumer, settings.names), redis, backend, plans, settings.tick_s
-        )
+        reader = LagReader(admin, consumer, settings.names, redis)
+        scaler["loop"] = Scaler(reader, redis, backend, plans, settings.tick_s)
         task = asyncio.create_task(scaler["loop"].run())
         try:
             yield

@@ -43,12 +43,15 @@ def pool_lag(
     committed: Mapping[int, int | None],
     log_starts: Mapping[int, int],
     read_at: float,
+    highwater: Mapping[int, int] | None = None,
 ) -> PoolLag:
-    lags = {
-        p: partition_lag(end, committed.get(p), log_starts.get(p, 0))
-        for p, end in sorted(end_offsets.items())
-    }
-    return PoolLag(pool, topic, group, lags, read_at)
+    """Lag of every partition. `highwater`: marks consumers saw in fetch responses; the larger of it and
+    the listed end offset counts, which keeps lag right where a broker's ListOffsets undercounts."""
+    marks = highwater or {}
+    ends = {p: max(end, marks.get(p, 0)) for p, end in end_offsets.items()}
+    lags = {p: partition_lag(end, committed.get(p), log_starts.get(p, 0)) for p, end in sorted(ends.items())}
+    positions = {p: max(0, c) for p, c in committed.items() if c is not None}
+    return PoolLag(pool, topic, group, lags, read_at, positions, sum(ends.values()))
 
 
 def pool_state(lag: PoolLag, heartbeats: Sequence[Heartbeat], now: float, held: int = 0) -> PoolState:

@@ -38,10 +38,19 @@ SPEC_HIGH_BATCH = 8.0
 
 
 class LagReader:
-    def __init__(self, admin: AIOKafkaAdminClient, consumer: AIOKafkaConsumer, names: Names) -> None:
+    """Lag from the broker's offsets, corrected by the high watermarks dispatchers report in Redis."""
+
+    def __init__(
+        self,
+        admin: AIOKafkaAdminClient,
+        consumer: AIOKafkaConsumer,
+        names: Names,
+        redis: aioredis.Redis | None = None,
+    ) -> None:
         self._admin = admin
         self._consumer = consumer
         self.names = names
+        self._redis = redis
 
     async def read(self, pool: str) -> PoolLag:
         topic = self.names.requests_topic(pool)
@@ -65,7 +74,14 @@ class LagReader:
             committed,
             {tp.partition: off for tp, off in starts.items()},
             time.time(),
+            await self._reported_highwater(pool),
         )
+
+    async def _reported_highwater(self, pool: str) -> dict[int, int]:
+        if self._redis is None:
+            return {}
+        raw = await self._redis.hgetall(self.names.highwater(pool))
+        return {int(p): int(v) for p, v in raw.items()}
 
     async def _partitions(self, topic: str) -> list[int]:
         described = await self._admin.describe_topics([topic])

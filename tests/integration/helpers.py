@@ -83,7 +83,14 @@ async def pipeline(
     worker_ids = [f"w{i}" for i in range(workers)]
     fleet = [
         Worker(
-            WorkerSettings(**{**settings.model_dump(), "worker_id": wid, "heartbeat_interval_s": 0.2}),
+            WorkerSettings(
+                **{
+                    **settings.model_dump(),
+                    "worker_id": wid,
+                    "heartbeat_interval_s": 0.2,
+                    "drain_timeout_s": 5,
+                }
+            ),
             SimulatedEngine(engine_config, block_size=16),
             redis,
             "sluice-sim",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from queue_schemas.clients import consumer_options, producer_options
+from queue_schemas.clients import consumer_options, producer_options, redis_client
 from scaler.service import LagReader
 from tests.conftest import Bus
 from tests.integration.helpers import create_topics
@@ -49,3 +51,41 @@ async def test_lag_counts_uncommitted_messages_per_partition(bus: Bus) -> None:
         await reader_consumer.stop()
         await admin.close()
         await producer.stop()
+
+
+async def test_reported_high_watermark_corrects_a_short_listed_end_offset(bus: Bus) -> None:
+    """Batched produce can make the dev broker's ListOffsets undercount; fetch high watermarks do not."""
+    settings = bus.settings()
+    names = settings.names
+    topic = names.requests_topic("sim")
+    await create_topics(settings, topic, partitions=1)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=50)
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    reader_consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    fetcher = AIOKafkaConsumer(
+        topic, bootstrap_servers=settings.kafka_bootstrap, auto_offset_reset="earliest"
+    )
+    redis = redis_client(settings)
+    for client in (producer, admin, reader_consumer, fetcher):
+        await client.start()
+    try:
+        sends = [await producer.send(topic, b"x", partition=0) for _ in range(8)]  # one batch of 8
+        await asyncio.gather(*sends)
+        records = await fetcher.getmany(timeout_ms=3000)
+        assert sum(len(r) for r in records.values()) == 8
+        mark = fetcher.highwater(TopicPartition(topic, 0))
+        assert mark == 8
+
+        reader = LagReader(admin, reader_consumer, names, redis)
+        listed = await reader.read("sim")
+        await redis.hset(names.highwater("sim"), mapping={"0": mark})
+        corrected = await reader.read("sim")
+        assert corrected.partitions[0] == 8, "nothing committed: all 8 records are lag"
+        assert listed.partitions[0] <= 8
+        print(
+            f"lag from the listed end offset {listed.partitions[0]}, with the mark {corrected.partitions[0]}"
+        )
+    finally:
+        for client in (producer, admin, reader_consumer, fetcher):
+            await (client.close() if isinstance(client, AIOKafkaAdminClient) else client.stop())
+        await redis.aclose()
