@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from queue_schemas.clients import redis_client, with_backoff
-from scaler.backends import Backend, DryRunBackend, LocalBackend
+from scaler.backends import Backend, DryRunBackend, KubernetesBackend, LocalBackend
 from scaler.service import LagReader, PoolReport, Scaler, controllers
 from scaler.settings import ScalerSettings
 
@@ -24,6 +24,19 @@ from scaler.settings import ScalerSettings
 def make_backend(settings: ScalerSettings) -> Backend:
     if settings.backend == "local":
         return LocalBackend(settings.worker_log_dir, os.environ)
+    if settings.backend == "kubernetes":
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+        return KubernetesBackend(
+            client.AppsV1Api(),
+            client.CoreV1Api(),
+            settings.kubernetes_namespace,
+            settings.kubernetes_workload,
+        )
     return DryRunBackend()
 
 

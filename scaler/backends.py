@@ -1,4 +1,5 @@
-"""Where scaling decisions are carried out: `dry-run` logs them; `local` starts and drains worker processes.
+"""Where scaling decisions are carried out: `dry-run` logs them; `local` starts and drains worker processes;
+`kubernetes` sets a Deployment's replica count and picks which pod drains.
 
 The local backend starts `python -m gpu_workers` children in its own process group (so stopping the
 scaler's group stops them too) and scales down by SIGTERM, which makes a worker drain: it announces
@@ -16,7 +17,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -131,3 +132,50 @@ class LocalBackend:
                     os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         self._procs.clear()
+
+
+DRAINING_LABEL = "sluice.dev/draining"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+class KubernetesBackend:
+    """Scales a Deployment per pool through its scale subresource (official kubernetes client).
+
+    Worker ids are pod names (a worker's default id is its hostname). To scale down, the chosen pod is
+    labelled draining and given the lowest deletion cost, then the replica count is lowered: the
+    Deployment controller deletes that pod, and its SIGTERM makes the worker drain within the pod's
+    termination grace period.
+    """
+
+    def __init__(self, apps: Any, core: Any, namespace: str, workload: str = "sluice-worker-{pool}") -> None:
+        self._apps = apps
+        self._core = core
+        self._namespace = namespace
+        self._workload = workload
+        self._wanted: dict[str, int] = {}
+
+    def launching(self, pool: str, known: set[str]) -> int:
+        return max(0, self._wanted.get(pool, 0) - len(known))
+
+    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
+        if verdict.action == "hold":
+            return
+        name = self._workload.format(pool=pool)
+        if verdict.action == "down":
+            victim = pick_to_drain(beats, {hb.worker_id for hb in beats})
+            if victim is None:
+                log.warning("no ready pod to drain", pool=pool)
+                return
+            patch = {
+                "metadata": {"labels": {DRAINING_LABEL: "true"}, "annotations": {DELETION_COST: "-1000"}}
+            }
+            self._core.patch_namespaced_pod(victim, self._namespace, patch)
+            log.info("draining pod", pool=pool, pod=victim)
+        self._apps.patch_namespaced_deployment_scale(
+            name, self._namespace, {"spec": {"replicas": verdict.target}}
+        )
+        self._wanted[pool] = verdict.target
+        log.info("scaled deployment", pool=pool, deployment=name, replicas=verdict.target)
+
+    def close(self, timeout_s: float) -> None:
+        return None

@@ -181,7 +181,7 @@ class Scaler:
         mode = c.config.scaling.spec_decoding
         c.spec_on = spec_decoding_on(mode, list(c.running_window), c.spec_on, SPEC_LOW_BATCH, SPEC_HIGH_BATCH)
         # act
-        self.backend.apply(name, verdict, beats, c.spec_on)
+        await asyncio.to_thread(self.backend.apply, name, verdict, beats, c.spec_on)
         if verdict.action != "hold":
             log.info(
                 "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason
