@@ -60,8 +60,8 @@ def api() -> Iterator[tuple[str, list[tuple[str, str, dict[str, Any]]]]]:
 def beat(worker: str, running: int) -> Heartbeat:
     return Heartbeat(
         worker_id=worker, pool="llama", model="m", state=WorkerState.READY, seq=1, sent_at=time.time(),
-        ttl_ms=3000, kv_blocks_total=1, kv_blocks_free=1, block_size=16, running=running, waiting=0, inbox_pending=0,
-        decode_tokens_per_s=0, started_at=0,
+        ttl_ms=3000, kv_blocks_total=1, kv_blocks_free=1, block_size=16, running=running, waiting=0,
+        inbox_pending=0, decode_tokens_per_s=0, started_at=0,
     )  # fmt: skip
 
 
