@@ -55,6 +55,11 @@ class ScalingConfig(BaseModel):
     cooldown_s: float = Field(default=300.0, ge=0)
     step_down_every_s: float = Field(default=60.0, ge=0)
     spec_decoding: Literal["on", "off", "auto"] = "off"
+    plan_model: str | None = Field(
+        default=None, description="take the capacity default from `sluice plan` for this model preset"
+    )
+    plan_gpu: str = "h100"
+    plan_tensor_parallel: int = Field(default=4, gt=0)
 
     @property
     def can_activate(self) -> bool:

@@ -20,7 +20,7 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from queue_schemas.codec import encode
-from queue_schemas.config import PoolConfig
+from queue_schemas.config import PoolConfig, ScalingConfig
 from queue_schemas.names import Names
 from queue_schemas.state import read_heartbeats
 from scaler import metrics
@@ -28,6 +28,7 @@ from scaler.backends import Backend
 from scaler.burrow import LagWindow, Status, pool_status
 from scaler.forecast import ArrivalEstimator
 from scaler.lag import PoolLag, pool_lag, pool_state
+from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
 from scaler.policy import PoolSignals, ScalerMemory, ScalingPolicy, Verdict, decide, policy_from_config
 from scaler.signals import ReplicaMeasures, pool_signals, spec_decoding_on
 
@@ -117,8 +118,20 @@ class PoolController:
 
     def __post_init__(self) -> None:
         scaling = self.config.scaling
-        self.measures = ReplicaMeasures(scaling.requests_per_replica_s, scaling.startup_s)
+        self.measures = ReplicaMeasures(capacity_default(scaling), scaling.startup_s)
         self.spec_on = scaling.spec_decoding == "on"
+
+
+def capacity_default(scaling: ScalingConfig) -> float:
+    """Requests per second per replica until measured: from `sluice plan` when a model preset is named."""
+    if scaling.plan_model is None:
+        return scaling.requests_per_replica_s
+    if scaling.plan_model not in MODELS or scaling.plan_gpu not in GPUS:
+        raise ValueError(f"unknown plan preset {scaling.plan_model!r} on {scaling.plan_gpu!r}")
+    deployment = Deployment(tensor_parallel=scaling.plan_tensor_parallel)
+    return plan(
+        MODELS[scaling.plan_model], GPUS[scaling.plan_gpu], Workload(), deployment
+    ).requests_per_s_per_replica
 
 
 def controllers(pools: list[PoolConfig]) -> dict[str, PoolController]:

@@ -32,3 +32,14 @@ def test_max_num_seqs_caps_concurrency_and_overrides_apply() -> None:
 def test_a_model_that_does_not_fit_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         plan(MODELS["llama-70b"], GPUS["h100"], Workload(), Deployment(tensor_parallel=1))
+
+
+def test_the_scaler_can_take_its_capacity_default_from_the_plan() -> None:
+    from queue_schemas.config import ScalingConfig
+    from scaler.service import capacity_default
+
+    assert capacity_default(ScalingConfig(requests_per_replica_s=3.0)) == 3.0
+    planned = capacity_default(ScalingConfig(plan_model="llama-70b", plan_gpu="h100", plan_tensor_parallel=4))
+    assert planned == pytest.approx(16.015625)
+    with pytest.raises(ValueError, match="unknown plan preset"):
+        capacity_default(ScalingConfig(plan_model="gpt-99"))
