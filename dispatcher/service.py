@@ -108,9 +108,8 @@ class Dispatcher:
         finally:
             for task in self._background:
                 task.cancel()
-            for task in self._background:
-                with contextlib.suppress(asyncio.CancelledError, RedisError):
-                    await task
+            # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
+            await asyncio.wait(self._background, timeout=2.0)
             # Requests still held are not committed: the group redelivers them to whoever owns them next.
             with contextlib.suppress(Exception):
                 await self._acknowledge()

@@ -102,11 +102,11 @@ class Worker:
             await self._consume(until=stop.is_set)
             await self._drain()
         finally:
-            for task in (heartbeats, cancels, kv_events):
+            background = {heartbeats, cancels, kv_events}
+            for task in background:
                 task.cancel()
-            for task in (heartbeats, cancels, kv_events):
-                with contextlib.suppress(asyncio.CancelledError, RedisError):
-                    await task
+            # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
+            await asyncio.wait(background, timeout=2.0)
             await self._retire()
 
     async def _consume(self, until: Callable[[], bool]) -> None:

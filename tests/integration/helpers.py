@@ -111,7 +111,10 @@ async def pipeline(
         yield Pipeline(settings, redis, producer, worker_ids[0])
     finally:
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
+        _, pending = await asyncio.wait(tasks, timeout=20)
+        for task in pending:  # a service that does not stop is a bug: show where it is stuck
+            task.print_stack()
+        assert not pending, f"{len(pending)} services did not stop"
         await consumer.stop()
         await producer.stop()
         await redis.aclose()
