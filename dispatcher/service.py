@@ -33,12 +33,14 @@ from dispatcher.hold import Held, Hold
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import POLICIES, Decision, Demand
 from dispatcher.recovery import take_over
+from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, DeadLetter, ErrorChunk, Heartbeat, InferenceRequest, Priority
 from queue_schemas.quota import settle
+from queue_schemas.state import follow_channel
 
 log = structlog.get_logger("sluice.dispatcher")
 
@@ -93,9 +95,11 @@ class Dispatcher:
         self._background = [
             asyncio.create_task(self._view_loop(stop), name="view"),
             asyncio.create_task(self._kv_loop(stop), name="kv-index"),
-            asyncio.create_task(self._cancel_loop(), name="cancels"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeats"),
-            asyncio.create_task(self._report_held(stop), name="report-held"),
+            asyncio.create_task(follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)),
+            asyncio.create_task(
+                follow_channel(self.redis, self.names.heartbeat_channel(self.pool), self._on_heartbeat)
+            ),
+            asyncio.create_task(report_loop(self, stop), name="report"),
         ]
         log.info("dispatcher consuming", topic=self.topic)
         try:
@@ -282,53 +286,10 @@ class Dispatcher:
                 log.warning("prefix index read failed", error=str(exc))
                 await asyncio.sleep(0.5)
 
-    async def _cancel_loop(self) -> None:
-        while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.names.cancel_channel())
-                    async for msg in pubsub.listen():
-                        if msg["type"] == "message":
-                            await self._on_cancel(msg["data"])
-            except (RedisError, OSError) as exc:
-                log.warning("cancel channel lost", error=str(exc))
-                await asyncio.sleep(0.5)
-
-    async def _report_held(self, stop: asyncio.Event) -> None:
-        """Publish, for the scaler, how many requests this dispatcher holds (expires if we die) and the high
-        watermark of each partition it owns, as fetch responses report it (right even where a broker's
-        ListOffsets undercounts)."""
-        key = self.names.held(self.pool, self.consumer_id)
-        while not stop.is_set():
-            marks: dict[Any, Any] = {}
-            for tp in self.consumer.assignment():
-                mark = self.consumer.highwater(tp)
-                if tp.topic == self.topic and mark is not None:
-                    marks[str(tp.partition)] = mark
-            with contextlib.suppress(RedisError):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.set(key, len(self.hold), px=3000)
-                    if marks:
-                        pipe.hset(self.names.highwater(self.pool), mapping=marks)
-                        pipe.pexpire(self.names.highwater(self.pool), 5000)
-                    await pipe.execute()
-            await asyncio.sleep(1.0)
-        with contextlib.suppress(RedisError):
-            await self.redis.delete(key)
-
-    async def _heartbeat_loop(self) -> None:
+    def _on_heartbeat(self, data: bytes) -> None:
         """Heartbeats pushed by workers, so a new or recovered worker is seen before the next re-read."""
-        while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.names.heartbeat_channel(self.pool))
-                    async for msg in pubsub.listen():
-                        if msg["type"] == "message":
-                            with contextlib.suppress(SchemaError):
-                                self.view.on_heartbeat(decode(Heartbeat, msg["data"]))
-            except (RedisError, OSError) as exc:
-                log.warning("heartbeat channel lost", error=str(exc))
-                await asyncio.sleep(0.5)
+        with contextlib.suppress(SchemaError):
+            self.view.on_heartbeat(decode(Heartbeat, data))
 
     async def _on_cancel(self, data: bytes) -> None:
         try:

@@ -34,6 +34,7 @@ from queue_schemas.messages import (
     WorkerState,
 )
 from queue_schemas.quota import settle
+from queue_schemas.state import follow_channel, publish_heartbeat
 
 log = structlog.get_logger("sluice.worker")
 
@@ -87,7 +88,9 @@ class Worker:
 
     async def run(self, stop: asyncio.Event) -> None:
         heartbeats = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        cancels = asyncio.create_task(self._cancel_listener(), name="cancel-listener")
+        cancels = asyncio.create_task(
+            follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)
+        )
         kv_events = asyncio.create_task(self._kv_loop(), name="kv-events")
         try:
             t0 = time.monotonic()
@@ -251,18 +254,6 @@ class Worker:
     async def _ack(self, entry_id: bytes) -> None:
         await self.inbox.done(entry_id)
 
-    async def _cancel_listener(self) -> None:
-        while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.names.cancel_channel())
-                    async for msg in pubsub.listen():
-                        if msg["type"] == "message":
-                            self._on_cancel(msg["data"])
-            except (RedisError, OSError) as exc:
-                log.warning("cancel channel lost", error=str(exc))
-                await asyncio.sleep(0.5)
-
     def _on_cancel(self, data: bytes) -> None:
         try:
             notice = decode(CancelNotice, data)
@@ -325,12 +316,7 @@ class Worker:
             ready_at=self.ready_at,
             completed_per_s=self._completion_rate(),
         )
-        payload = encode(hb)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.names.heartbeat(hb.pool, hb.worker_id), payload, px=hb.ttl_ms)
-            pipe.sadd(self.names.workers(hb.pool), hb.worker_id)
-            pipe.publish(self.names.heartbeat_channel(hb.pool), payload)
-            await pipe.execute()
+        await publish_heartbeat(self.redis, self.names, hb)
 
     async def _publish_heartbeat_quietly(self) -> None:
         with contextlib.suppress(RedisError):

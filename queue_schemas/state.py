@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import RedisError
 
-from queue_schemas.codec import decode
+from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
 
 log = structlog.get_logger("sluice.state")
+
+
+async def publish_heartbeat(redis: aioredis.Redis, names: Names, hb: Heartbeat) -> None:
+    """Refresh a worker's heartbeat key (with its TTL), its pool membership, and push it to dispatchers."""
+    payload = encode(hb)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.set(names.heartbeat(hb.pool, hb.worker_id), payload, px=hb.ttl_ms)
+        pipe.sadd(names.workers(hb.pool), hb.worker_id)
+        pipe.publish(names.heartbeat_channel(hb.pool), payload)
+        await pipe.execute()
 
 
 async def read_heartbeats(
@@ -36,3 +51,25 @@ async def read_heartbeats(
         except SchemaError as exc:
             log.warning("ignoring bad heartbeat", worker=worker_id, reason=str(exc))
     return beats, gone
+
+
+async def follow_channel(
+    redis: aioredis.Redis, channel: str, on_message: Callable[[bytes], Awaitable[None] | None]
+) -> None:
+    """Call `on_message` with every message published on `channel`, resubscribing after connection loss.
+
+    Runs until cancelled. Pub/sub delivers only while subscribed, so callers that must not miss state
+    also re-read it from its keys.
+    """
+    while True:
+        try:
+            async with redis.pubsub() as pubsub:
+                await pubsub.subscribe(channel)
+                async for msg in pubsub.listen():
+                    if msg["type"] == "message":
+                        result = on_message(msg["data"])
+                        if inspect.isawaitable(result):
+                            await result
+        except (RedisError, OSError) as exc:
+            log.warning("channel lost; resubscribing", channel=channel, error=str(exc))
+            await asyncio.sleep(0.5)

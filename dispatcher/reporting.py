@@ -1,0 +1,41 @@
+"""What a dispatcher tells the scaler through Redis, once a second.
+
+- how many requests it holds (`held:<pool>:<dispatcher>`, expiring, so a dead dispatcher stops counting
+  and the key's presence says the group has a live consumer);
+- the high watermark of each partition it owns, as fetch responses report it: right even where a
+  broker's ListOffsets undercounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+if TYPE_CHECKING:
+    from dispatcher.service import Dispatcher
+
+HELD_TTL_MS = 3000
+HIGHWATER_TTL_MS = 5000
+
+
+async def report_loop(d: Dispatcher, stop: asyncio.Event) -> None:
+    key = d.names.held(d.pool, d.consumer_id)
+    while not stop.is_set():
+        marks: dict[Any, Any] = {}
+        for tp in d.consumer.assignment():
+            mark = d.consumer.highwater(tp)
+            if tp.topic == d.topic and mark is not None:
+                marks[str(tp.partition)] = mark
+        with contextlib.suppress(RedisError):
+            async with d.redis.pipeline(transaction=False) as pipe:
+                pipe.set(key, len(d.hold), px=HELD_TTL_MS)
+                if marks:
+                    pipe.hset(d.names.highwater(d.pool), mapping=marks)
+                    pipe.pexpire(d.names.highwater(d.pool), HIGHWATER_TTL_MS)
+                await pipe.execute()
+        await asyncio.sleep(1.0)
+    with contextlib.suppress(RedisError):
+        await d.redis.delete(key)
