@@ -127,6 +127,8 @@ def plan_command(
     ttft: Annotated[float, typer.Option(help="time to first token, seconds")] = 0.8,
     price: Annotated[float | None, typer.Option(help="price per GPU-hour (default: the preset's)")] = None,
     memory_utilization: Annotated[float, typer.Option()] = 0.90,
+    overhead_gib: Annotated[float, typer.Option(help="activations and runtime per GPU, GiB")] = 3.0,
+    max_num_seqs: Annotated[int, typer.Option(help="the engine's cap on concurrent sequences")] = 256,
 ) -> None:
     """Capacity arithmetic, step by step: KV bytes per token to replicas, GPUs and cost at peak."""
     from dataclasses import replace
@@ -141,7 +143,8 @@ def plan_command(
     chosen_gpu = GPUS[gpu] if price is None else replace(GPUS[gpu], price_per_hour=price)
     workload = Workload(prompt_tokens, output_tokens, peak, headroom, decode_tps, ttft)
     try:
-        result = plan(MODELS[model], chosen_gpu, workload, Deployment(tp, memory_utilization))
+        deployment = Deployment(tp, memory_utilization, overhead_gib, max_num_seqs)
+        result = plan(MODELS[model], chosen_gpu, workload, deployment)
     except ValueError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None

@@ -43,3 +43,16 @@ def test_the_scaler_can_take_its_capacity_default_from_the_plan() -> None:
     assert planned == pytest.approx(16.015625)
     with pytest.raises(ValueError, match="unknown plan preset"):
         capacity_default(ScalingConfig(plan_model="gpt-99"))
+
+
+def test_sluice_plan_prints_the_chain() -> None:
+    from typer.testing import CliRunner
+
+    from infra.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "--model", "llama-70b", "--gpu", "h100"])
+    assert result.exit_code == 0, result.output
+    for expected in ("320 KiB", "473,488", "205", "16.02", "$0.58"):
+        assert expected in result.output
+    unknown = CliRunner().invoke(app, ["plan", "--model", "nope"])
+    assert unknown.exit_code == 2
