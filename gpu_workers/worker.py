@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -55,6 +57,20 @@ STARTED_MARK_TTL_MS = 24 * 3600 * 1000
 KV_PUBLISH_INTERVAL_S = 0.05
 
 
+def process_started_at() -> float:
+    """When this process started (epoch seconds), so a replica's measured start-up includes its imports."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def start_refusal(request: InferenceRequest, now: float) -> tuple[str, str] | None:
     """Why a request taken from the inbox must not start: (error code, message), or None to run it."""
     if request.reply is not ReplyMode.STREAM:
@@ -75,7 +91,7 @@ class Worker:
         self.model = model
         self.max_running = max_running
         self.state = WorkerState.STARTING
-        self.started_at = time.time()
+        self.started_at = process_started_at()
         self.load_seconds: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._hb_seq = 0
