@@ -102,6 +102,8 @@ async def read_json_body(request: Request, limit: int) -> Any:
 def parse_body(model: type[B], body: Any) -> B:
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -118,6 +118,7 @@ def test_unknown_model_is_404(endpoints: Endpoints) -> None:
         ({"model": MODEL, "messages": MESSAGES, "logprobs": True}, "logprobs"),
         ({"model": MODEL, "messages": MESSAGES, "max_tokens": 100_000}, "messages"),
         ({"messages": MESSAGES}, "model"),
+        ({"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(
