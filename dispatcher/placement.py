@@ -154,9 +154,6 @@ def choose_least_loaded(
     return Decision(worker_id, worker.matched_blocks, needed)
 
 
-POLICIES = {"scored": choose, "least-loaded": choose_least_loaded}
-
-
 def least_loaded(workers: Sequence[WorkerSnapshot], now: float, rng: random.Random) -> str | None:
     """The baseline: the eligible worker with the fewest running, waiting and just-placed requests."""
     eligible = [w for w in workers if is_eligible(w, now)]

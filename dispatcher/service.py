@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from dispatcher import metrics
 from dispatcher.hold import Held, Hold
 from dispatcher.offsets import OffsetTracker
-from dispatcher.placement import POLICIES, Decision, Demand
+from dispatcher.placement import Decision, Demand, choose_least_loaded
 from dispatcher.recovery import take_over
 from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
@@ -82,7 +82,6 @@ class Dispatcher:
         self.hold = Hold(settings.hold_capacity)
         self.offsets = OffsetTracker()
         self.policy = settings.policy()
-        self.choose = POLICIES[settings.placement]
         self.rng = random.Random()
         self._place = redis.register_script(PLACE_SCRIPT)
         self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
@@ -167,7 +166,7 @@ class Dispatcher:
             decision = self.view.decide(demand, time.time(), self.policy, self.rng)
         else:
             snapshot = self.view.snapshot(request.block_hashes)
-            decision = self.choose(snapshot, demand, time.time(), self.policy, self.rng)
+            decision = choose_least_loaded(snapshot, demand, time.time(), self.policy, self.rng)
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
         if decision.worker_id is None:
             return False

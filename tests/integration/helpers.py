@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,16 @@ from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
 from infra.launcher import ManagedProcess, spawn
 from queue_schemas.clients import consumer_options, producer_options, redis_client
+from queue_schemas.codec import decode_stream_event
 from queue_schemas.config import SimulatedEngineConfig
-from queue_schemas.messages import InferenceRequest, SamplingParams
+from queue_schemas.messages import (
+    ErrorChunk,
+    FinalChunk,
+    InferenceRequest,
+    SamplingParams,
+    StreamEvent,
+    TokenChunk,
+)
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
 
@@ -152,3 +161,40 @@ class Services:
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.stop(timeout=10)
+
+
+async def collect(
+    redis: aioredis.Redis, settings: BusSettings, expected: set[str], within_s: float, ready: asyncio.Event
+) -> dict[str, list[StreamEvent]]:
+    """Every stream event of the expected requests until each has a terminal one (or time runs out).
+
+    `ready` is set once the subscription is live, so the caller knows when to start producing.
+    """
+    events: dict[str, list[StreamEvent]] = {rid: [] for rid in expected}
+    terminal: Counter[str] = Counter()
+    deadline = time.monotonic() + within_s
+    async with redis.pubsub() as pubsub:
+        await pubsub.psubscribe(settings.names.stream_channel("*"))
+        ready.set()
+        while time.monotonic() < deadline and len(terminal) < len(expected):
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+            if msg is None:
+                continue
+            event = decode_stream_event(msg["data"])
+            if event.request_id in events:
+                events[event.request_id].append(event)
+                if not isinstance(event, TokenChunk):
+                    terminal[event.request_id] += 1
+        # Linger a little: a duplicate placement would show up as a second terminal event.
+        linger = time.monotonic() + 1.0
+        while time.monotonic() < linger:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            if msg is not None:
+                event = decode_stream_event(msg["data"])
+                if event.request_id in events:
+                    events[event.request_id].append(event)
+    return events
+
+
+def terminals(events: list[StreamEvent]) -> list[StreamEvent]:
+    return [e for e in events if isinstance(e, FinalChunk | ErrorChunk)]

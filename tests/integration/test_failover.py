@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,11 +10,11 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from queue_schemas.clients import producer_options, redis_client
-from queue_schemas.codec import decode, decode_stream_event, encode
-from queue_schemas.messages import ErrorChunk, FinalChunk, Heartbeat, StreamEvent, TokenChunk
+from queue_schemas.codec import decode, encode
+from queue_schemas.messages import ErrorChunk, FinalChunk, Heartbeat, StreamEvent
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
-from tests.integration.helpers import Services, create_topics, make_request
+from tests.integration.helpers import Services, collect, create_topics, make_request, terminals
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -39,40 +37,6 @@ async def wait_workers(redis: aioredis.Redis, settings: BusSettings, ids: list[s
             return
         await asyncio.sleep(0.1)
     raise TimeoutError("workers not ready")
-
-
-async def collect(
-    redis: aioredis.Redis, settings: BusSettings, expected: set[str], within_s: float
-) -> dict[str, list[StreamEvent]]:
-    """Every stream event of the expected requests until each has a terminal one (or time runs out)."""
-    events: dict[str, list[StreamEvent]] = {rid: [] for rid in expected}
-    terminal: Counter[str] = Counter()
-    deadline = time.monotonic() + within_s
-    async with redis.pubsub() as pubsub:
-        await pubsub.psubscribe(settings.names.stream_channel("*"))
-        collect.ready.set()  # type: ignore[attr-defined]
-        while time.monotonic() < deadline and len(terminal) < len(expected):
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
-            if msg is None:
-                continue
-            event = decode_stream_event(msg["data"])
-            if event.request_id in events:
-                events[event.request_id].append(event)
-                if not isinstance(event, TokenChunk):
-                    terminal[event.request_id] += 1
-        # Linger a little: a duplicate placement would show up as a second terminal event.
-        linger = time.monotonic() + 1.0
-        while time.monotonic() < linger:
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
-            if msg is not None:
-                event = decode_stream_event(msg["data"])
-                if event.request_id in events:
-                    events[event.request_id].append(event)
-    return events
-
-
-def terminals(events: list[StreamEvent]) -> list[StreamEvent]:
-    return [e for e in events if isinstance(e, FinalChunk | ErrorChunk)]
 
 
 async def run_load(
@@ -100,9 +64,9 @@ async def run_load(
     producer = AIOKafkaProducer(**producer_options(settings))
     await producer.start()
     requests = [make_request("sim", f"req-failover-{i:05d}", max_tokens=20) for i in range(count)]
-    collect.ready = asyncio.Event()  # type: ignore[attr-defined]
-    collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, within_s=60))
-    await collect.ready.wait()  # type: ignore[attr-defined]
+    ready = asyncio.Event()
+    collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 60, ready))
+    await ready.wait()
     await asyncio.sleep(3)  # let the dispatchers form their group
     for i, req in enumerate(requests):
         await producer.send_and_wait(settings.names.requests_topic("sim"), encode(req), key=str(i).encode())

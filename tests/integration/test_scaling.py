@@ -20,8 +20,7 @@ from queue_schemas.clients import producer_options, redis_client
 from queue_schemas.codec import encode
 from queue_schemas.messages import FinalChunk, TokenChunk
 from tests.conftest import Bus
-from tests.integration.helpers import Services, create_topics, make_request
-from tests.integration.test_failover import collect, terminals
+from tests.integration.helpers import Services, collect, create_topics, make_request, terminals
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -81,11 +80,9 @@ async def test_burst_scales_up_drains_then_scales_down_by_draining(bus: Bus, tmp
         await wait_for(url, lambda r: r["replicas"]["ready"] == 1, within_s=60)
 
         requests = [make_request("sim", f"req-burst-{i:05d}", max_tokens=40) for i in range(24)]
-        collect.ready = asyncio.Event()  # type: ignore[attr-defined]
-        collector = asyncio.create_task(
-            collect(redis, settings, {r.request_id for r in requests}, within_s=90)
-        )
-        await collect.ready.wait()  # type: ignore[attr-defined]
+        ready = asyncio.Event()
+        collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 90, ready))
+        await ready.wait()
         producer = AIOKafkaProducer(**producer_options(settings))
         await producer.start()
         for i, req in enumerate(requests):
