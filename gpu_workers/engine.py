@@ -1,4 +1,4 @@
-"""The engine interface every backend implements (simulated now; vLLM behind the same calls)."""
+"""The engine interface every backend implements: the simulated engine and vLLM."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ class EngineStats:
     running: int
     waiting: int
     decode_tokens_per_s: float
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class EngineError(Exception):
@@ -51,6 +53,10 @@ class Engine(Protocol):
 
     def take_kv_changes(self) -> list[KvChange]:
         """Prefix-cache changes since the last call, in order, as the project's chain hashes."""
+        ...
+
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve anything (it died), or None while it is healthy."""
         ...
 
     async def close(self) -> None: ...

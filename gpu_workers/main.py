@@ -14,15 +14,18 @@ from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
 from queue_schemas.clients import configure_logging, redis_client
 from queue_schemas.config import ConfigError, PoolConfig
+from queue_schemas.model_store import ModelStore
 
 
-def build_engine(pool: PoolConfig) -> Engine:
+def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:
     if pool.engine == "simulated":
         return SimulatedEngine(pool.simulated, pool.block_size)
-    raise ValueError(f"pool {pool.name}: unknown engine {pool.engine!r}")
+    from gpu_workers.vllm_engine import VllmEngine
+
+    return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding)
 
 
-async def serve(settings: WorkerSettings) -> None:
+async def serve(settings: WorkerSettings) -> int:
     try:
         pool = settings.load_pools().pool(settings.pool)
     except KeyError as exc:
@@ -34,9 +37,10 @@ async def serve(settings: WorkerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    worker = Worker(settings, build_engine(pool), redis, pool.model, pool.simulated.max_running)
+    worker = Worker(settings, build_engine(pool, settings), redis, pool.model, pool.max_running)
+    worker.tensor_parallel_size = pool.tensor_parallel_size
     try:
-        await worker.run(stop)
+        return await worker.run(stop)
     finally:
         await redis.aclose()
 
@@ -45,4 +49,6 @@ def run(settings: WorkerSettings) -> None:
     configure_logging(settings, "worker")
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr="127.0.0.1")
-    uvloop.run(serve(settings))
+    code = uvloop.run(serve(settings))
+    if code:
+        raise SystemExit(code)

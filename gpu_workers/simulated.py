@@ -54,11 +54,16 @@ class SimulatedEngine:
         self._decoded: list[tuple[float, int]] = []
         self._cache = PrefixCache(config.kv_blocks)
         self._kv_changes: list[KvChange] = []
+        self._prefix_queries = 0
+        self._prefix_hits = 0
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
+        return None
+
+    def failure(self) -> str | None:
         return None
 
     def take_kv_changes(self) -> list[KvChange]:
@@ -93,6 +98,8 @@ class SimulatedEngine:
             running=len(self._running),
             waiting=self._waiting,
             decode_tokens_per_s=sum(n for _, n in self._decoded) / 5.0,
+            prefix_query_tokens=self._prefix_queries,
+            prefix_hit_tokens=self._prefix_hits,
         )
 
     async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
@@ -110,6 +117,8 @@ class SimulatedEngine:
         self._running.add(rid)
         try:
             cached = self._cache_prompt(request.block_hashes) * self._block_size
+            self._prefix_queries += prompt_tokens
+            self._prefix_hits += cached
             # Prefill: a fixed cost plus a cost per prompt token the cache did not hold.
             uncached = prompt_tokens - cached
             await asyncio.sleep((self._config.ttft_ms + uncached * self._config.prefill_ms_per_token) / 1000)

@@ -101,8 +101,12 @@ class Worker:
         self._completed: deque[float] = deque()
         self._begin_script = redis.register_script(BEGIN_SCRIPT)
         self.kv = KvPublisher(redis, self.names, settings.worker_id)
+        self.error: str | None = None
+        self.tensor_parallel_size = 1
+        self._abort_reason = (ErrorCode.CANCELLED, "the request was cancelled")
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until `stop` is set (0), or until the engine fails to start or dies (1)."""
         heartbeats = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         cancels = asyncio.create_task(
             follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)
@@ -110,16 +114,30 @@ class Worker:
         kv_events = asyncio.create_task(self._kv_loop(), name="kv-events")
         try:
             t0 = time.monotonic()
-            await self.engine.start()
+            try:
+                await self.engine.start()
+            except EngineError as exc:
+                await self._fail_worker(f"engine did not start: {exc}")
+                return 1
             self.load_seconds = time.monotonic() - t0
             await self.kv.reset()
             await self.inbox.ensure()
             self.state = WorkerState.READY
             self.ready_at = time.time()
             await self._publish_heartbeat()
-            log.info("worker ready", worker=self.settings.worker_id, pool=self.settings.pool)
-            await self._consume(until=stop.is_set)
+            log.info(
+                "worker ready",
+                worker=self.settings.worker_id,
+                pool=self.settings.pool,
+                load_s=self.load_seconds,
+            )
+            await self._consume(until=lambda: stop.is_set() or self.engine.failure() is not None)
+            failure = self.engine.failure()
+            if failure is not None:
+                await self._fail_worker(failure)
+                return 1
             await self._drain()
+            return 0
         finally:
             background = {heartbeats, cancels, kv_events}
             for task in background:
@@ -127,6 +145,22 @@ class Worker:
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(background, timeout=2.0)
             await self._retire()
+            await self.engine.close()
+
+    async def _fail_worker(self, reason: str) -> None:
+        """The engine cannot serve: say so in the heartbeat, end running requests with an error event.
+        Entries placed here but not started stay in the inbox for a dispatcher to take over."""
+        log.error("worker failed", worker=self.settings.worker_id, reason=reason)
+        self.state = WorkerState.FAILED
+        self.error = reason
+        await self._publish_heartbeat_quietly()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=2.0)
+        self._abort_reason = (ErrorCode.ENGINE_ERROR, reason)
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=2.0)
 
     async def _consume(self, until: Callable[[], bool]) -> None:
         """Receive: keep up to max_running requests going until `until()` says stop."""
@@ -172,6 +206,7 @@ class Worker:
             log.warning(
                 "drain deadline reached", running=len(self._tasks), inbox_empty=self._inbox_seen_empty
             )
+        self._abort_reason = (ErrorCode.WORKER_LOST, "the worker shut down before the request finished")
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:
@@ -227,9 +262,7 @@ class Worker:
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
             await self._fail(channel, request, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
         except asyncio.CancelledError:
-            await self._fail(
-                channel, request, coalescer, started, ErrorCode.CANCELLED, "the request was cancelled"
-            )
+            await self._fail(channel, request, coalescer, started, *self._abort_reason)
         except RedisError as exc:
             log.error("lost redis while streaming", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
@@ -284,7 +317,7 @@ class Worker:
     async def _kv_loop(self) -> None:
         while True:
             await asyncio.sleep(KV_PUBLISH_INTERVAL_S)
-            if self.state is WorkerState.STARTING:
+            if self.state in (WorkerState.STARTING, WorkerState.FAILED):
                 continue
             try:
                 await self.kv.publish(self.engine.take_kv_changes())
@@ -331,6 +364,10 @@ class Worker:
             spec_decoding=self.settings.spec_decoding,
             ready_at=self.ready_at,
             completed_per_s=self._completion_rate(),
+            tensor_parallel_size=self.tensor_parallel_size,
+            prefix_query_tokens=stats.prefix_query_tokens,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            error=self.error,
         )
         await publish_heartbeat(self.redis, self.names, hb)
 

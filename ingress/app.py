@@ -21,13 +21,15 @@ from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from ingress.tokenizer import tokenizer_for
 from queue_schemas.clients import producer_options, redis_client, with_backoff
+from queue_schemas.model_store import ModelStore
 
 log = structlog.get_logger("sluice.ingress")
 
 
 def create_app(settings: IngressSettings) -> FastAPI:
     pools = settings.load_pools()
-    tokenizers = {pool.name: tokenizer_for(pool) for pool in pools.pools}
+    store = ModelStore(settings.model_cache_dir)
+    tokenizers = {pool.name: tokenizer_for(pool, store) for pool in pools.pools}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

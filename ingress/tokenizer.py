@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from ingress.errors import InvalidRequest
 from ingress.openai_types import ChatMessage
 from queue_schemas.config import PoolConfig
+from queue_schemas.model_store import TOKENIZER_FILES, ModelSourceError, ModelStore
 
 
 class PromptTokenizer(Protocol):
@@ -65,7 +66,13 @@ class HFTokenizer:
         return [int(i) for i in self._tok.encode(prompt, add_special_tokens=True)]
 
 
-def tokenizer_for(pool: PoolConfig) -> PromptTokenizer:
-    if pool.tokenizer == "bytes":
+def tokenizer_for(pool: PoolConfig, store: ModelStore) -> PromptTokenizer:
+    """The pool's tokenizer: bytes, or the model's own files (from `s3://`, only the tokenizer files)."""
+    source = pool.tokenizer_source
+    if source == "bytes":
         return ByteTokenizer()
-    return HFTokenizer(Path(pool.tokenizer))
+    try:
+        folder = store.resolve(source, only=TOKENIZER_FILES if source.startswith("s3://") else None)
+    except ModelSourceError as exc:
+        raise ValueError(f"pool {pool.name}: tokenizer not available: {exc}") from None
+    return HFTokenizer(folder)

@@ -40,6 +40,26 @@ class SimulatedEngineConfig(BaseModel):
         return self
 
 
+class VllmEngineConfig(BaseModel):
+    """How a worker starts vLLM for the pool. The pool's block_size must equal vLLM's (128 on CPU)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(
+        min_length=1,
+        description="`s3://bucket/prefix`, a local model folder, or a model hub id where a hub is reachable",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV cache size per worker, in GiB")
+    max_num_seqs: int = Field(default=32, gt=0, description="requests the engine runs at once")
+    enforce_eager: bool = Field(default=True, description="skip graph capture (faster start, CPU default)")
+    cpu_threads: int | None = Field(default=None, gt=0, description="OpenMP threads per rank on CPU")
+    ngram_tokens: int = Field(default=3, gt=0, description="tokens proposed per step by ngram speculation")
+    draft_model: str | None = Field(
+        default=None, description="a draft model folder for speculation instead of ngram (GPU pools)"
+    )
+
+
 class ScalingConfig(BaseModel):
     """How the scaler sizes the pool (validated again as a policy when the scaler starts)."""
 
@@ -72,12 +92,13 @@ class PoolConfig(BaseModel):
 
     name: Name
     model: str = Field(min_length=1, description="the model name clients send")
-    engine: Literal["simulated"] = "simulated"
-    tokenizer: str = Field(
-        default="bytes",
+    engine: Literal["simulated", "vllm"] = "simulated"
+    tokenizer: str | None = Field(
+        default=None,
         min_length=1,
-        description="`bytes` (UTF-8 bytes as token ids, the simulated engine's own), or a model folder "
-        "holding tokenizer.json and a chat template",
+        description="`bytes` (UTF-8 bytes as token ids, the simulated engine's own), a model folder or "
+        "`s3://` prefix holding tokenizer.json and a chat template; unset: the engine's own "
+        "(`bytes` for the simulated engine, the model's files for vLLM)",
     )
     context_tokens: int = Field(default=8192, gt=0)
     default_max_tokens: int = Field(default=256, gt=0)
@@ -89,7 +110,33 @@ class PoolConfig(BaseModel):
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
+    vllm: VllmEngineConfig | None = None
     scaling: ScalingConfig = ScalingConfig()
+
+    @model_validator(mode="after")
+    def _engine_section(self) -> Self:
+        if self.engine == "vllm" and self.vllm is None:
+            raise ValueError(f"pool {self.name}: engine = 'vllm' needs a [pools.vllm] section with `source`")
+        if self.engine == "vllm" and self.tokenizer == "bytes":
+            raise ValueError(
+                f"pool {self.name}: a vLLM pool tokenizes with its model's tokenizer, not `bytes`"
+            )
+        return self
+
+    @property
+    def tokenizer_source(self) -> str:
+        """Where prompts are tokenized from: `bytes`, a folder, or an `s3://` prefix."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return self.vllm.source if self.vllm is not None and self.engine == "vllm" else "bytes"
+
+    @property
+    def max_running(self) -> int:
+        return (
+            self.vllm.max_num_seqs
+            if self.vllm is not None and self.engine == "vllm"
+            else self.simulated.max_running
+        )
 
 
 class SluiceConfig(BaseModel):

@@ -44,6 +44,7 @@ class WorkerState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     DRAINING = "draining"
+    FAILED = "failed"
 
 
 class SamplingParams(BaseModel):
@@ -154,6 +155,11 @@ class Heartbeat(Message):
     load_seconds: float | None = None
     ready_at: float | None = Field(default=None, description="when the worker became ready (epoch seconds)")
     completed_per_s: float = Field(default=0.0, ge=0.0, description="requests finished per second, recently")
+    prefix_query_tokens: int = Field(
+        default=0, ge=0, description="prompt tokens looked up in the prefix cache"
+    )
+    prefix_hit_tokens: int = Field(default=0, ge=0, description="of those, tokens found cached")
+    error: str | None = Field(default=None, max_length=2000, description="why a failed worker stopped")
 
 
 class CancelNotice(Message):

@@ -30,6 +30,10 @@ class BusSettings(BaseSettings):
     connect_attempts: int = Field(
         default=30, gt=0, description="start-up retries before giving up on the bus"
     )
+    model_cache_dir: Path = Field(
+        default=Path.home() / ".cache" / "sluice" / "models",
+        description="where `s3://` model sources (weights, tokenizers) are downloaded and re-used",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = False
 

@@ -28,9 +28,9 @@ def make_backend(settings: ScalerSettings) -> Backend:
         from kubernetes import client, config
 
         try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
+            config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()  # type: ignore[no-untyped-call]
+            config.load_kube_config()
         return KubernetesBackend(
             client.AppsV1Api(),
             client.CoreV1Api(),

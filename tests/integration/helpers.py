@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -112,7 +113,7 @@ async def pipeline(
     await consumer.start()
     await producer.start()
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(w.run(stop)) for w in fleet]
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(w.run(stop)) for w in fleet]
     tasks.append(asyncio.create_task(Dispatcher(settings, redis, consumer, producer).run(stop)))
     try:
         for wid in worker_ids:

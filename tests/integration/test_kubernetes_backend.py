@@ -85,4 +85,4 @@ def test_scale_up_and_drain_one_pod(api: tuple[str, list[tuple[str, str, dict[st
 
     backend.apply("llama", Verdict("hold", 3, 3, 0.0, "steady"), beats, spec_decoding=False)
     assert len(calls) == 3
-    api_client.close()  # type: ignore[no-untyped-call]
+    api_client.close()

