@@ -160,18 +160,23 @@ class VllmEngine:
             self.model_dir = await asyncio.to_thread(self._store.resolve, config.source)
         except ModelSourceError as exc:
             raise EngineError(f"model not available: {exc}") from None
-        self._set_cpu_environment(config)
         llm_classes = await asyncio.to_thread(_import_vllm)
         endpoint = self._listen_for_kv_events()
         args = engine_arguments(self._pool, self.model_dir, self._spec, endpoint)
-        engine_args = llm_classes["AsyncEngineArgs"](**args)
         logger = _stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
+        # The engine's processes are spawned during start-up and take the environment as it is then.
+        extra_env = self._cpu_environment(config)
+        os.environ.update(extra_env)
         try:
+            engine_args = llm_classes["AsyncEngineArgs"](**args)
             self._llm = await asyncio.to_thread(
                 llm_classes["AsyncLLM"].from_engine_args, engine_args, stat_loggers=[logger]
             )
         except Exception as exc:  # vLLM raises many kinds at start-up; all mean this model cannot be served
             raise EngineError(f"vLLM failed to start {config.source}: {type(exc).__name__}: {exc}") from None
+        finally:
+            for key in extra_env:
+                os.environ.pop(key, None)
         cache = self._llm.vllm_config.cache_config
         if cache.block_size != self._pool.block_size:
             raise EngineError(
@@ -180,15 +185,16 @@ class VllmEngine:
             )
         self._blocks_total = int(cache.num_gpu_blocks or 0)
 
-    def _set_cpu_environment(self, config: VllmEngineConfig) -> None:
+    def _cpu_environment(self, config: VllmEngineConfig) -> dict[str, str]:
+        """Thread settings for the engine's processes on CPU (values already in the environment win)."""
         if _has_cuda():
-            return
+            return {}
         cores = sorted(os.sched_getaffinity(0))
         tp = self._pool.tensor_parallel_size
-        threads = config.cpu_threads or max(1, len(cores) // tp)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        wanted = {"OMP_NUM_THREADS": str(config.cpu_threads or max(1, len(cores) // tp))}
         if tp > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(cores, tp))
+            wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cores, tp)
+        return {k: v for k, v in wanted.items() if k not in os.environ}
 
     def _listen_for_kv_events(self) -> str:
         import zmq

@@ -32,16 +32,30 @@ ConfigOpt = Annotated[
 
 @app.command()
 def dev(
-    config: ConfigOpt = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", help="pool file (TOML); default: SmolLM2 on vLLM and `sim`")
+    ] = None,
+    engine: Annotated[
+        str, typer.Option(help="without --config: `vllm` (SmolLM2 and sim) or `simulated` (sim only)")
+    ] = "vllm",
     port: Annotated[int, typer.Option(help="ingress port, if free")] = 8000,
     workdir: Annotated[Path, typer.Option(help="logs and dev.env")] = Path(".sluice"),
+    models_dir: Annotated[Path, typer.Option(help="where SmolLM2 is prepared and kept")] = Path(
+        ".sluice/models"
+    ),
 ) -> None:
     """Start the embedded stack (broker, Redis, every service) and keep it up until Ctrl-C."""
-    from infra.devstack import DevStack
+    from infra.devstack import DevStack, default_dev_config
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if config is None and engine == "vllm":
+        console.print("preparing SmolLM2-135M-Instruct (first run only) ...")
+        config = default_dev_config(workdir, models_dir)
+    elif config is None and engine != "simulated":
+        console.print(f"[red]--engine must be vllm or simulated, not {engine!r}[/]")
+        raise typer.Exit(2)
     stack = DevStack(workdir, config, ingress_port=port)
     console.print("[bold]starting sluice dev stack[/] ...")
     try:

@@ -27,7 +27,9 @@ from infra.launcher import (
     wait_until,
 )
 from queue_schemas.clients import redis_client
+from queue_schemas.codec import decode
 from queue_schemas.config import SluiceConfig, load_config
+from queue_schemas.messages import Heartbeat
 from queue_schemas.settings import BusSettings
 
 DEV_TEAM = "dev"
@@ -78,6 +80,7 @@ class DevStack:
     prefix: str = "sluice"
     extra_env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
+    workers_ready_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
@@ -120,7 +123,7 @@ class DevStack:
         scaler_url = f"http://127.0.0.1:{scaler_port}"
         wait_until(ingress, lambda: _http_ok(url + "/healthz"), "ingress", timeout=60)
         wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", timeout=60)
-        asyncio.run(self._wait_workers_ready(bus, deadline_s=60))
+        asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
         (self.workdir / "dev.env").write_text("\n".join(endpoints.env_lines()) + "\n")
         (self.workdir / "pids").write_text("".join(f"{p.name} {p.popen.pid}\n" for p in self.processes))
@@ -171,6 +174,12 @@ class DevStack:
                 raws = await redis.mget(keys) if keys else []
                 if all(raw is not None and b'"state":"ready"' in raw for raw in raws):
                     return
+                failed = [
+                    decode(Heartbeat, raw) for raw in raws if raw is not None and b'"state":"failed"' in raw
+                ]
+                if failed:
+                    reasons = "; ".join(f"{hb.worker_id}: {hb.error}" for hb in failed)
+                    raise RuntimeError(f"a worker failed to start: {reasons}; logs in {self.log_dir}")
                 await asyncio.sleep(0.1)
         finally:
             await redis.aclose()
@@ -202,3 +211,15 @@ def _http_ok(url: str) -> bool:
         return httpx.get(url, timeout=1.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def default_dev_config(workdir: Path, models_dir: Path) -> Path:
+    """The dev pools (SmolLM2 on vLLM, and sim), with SmolLM2 prepared in `models_dir` on first use."""
+    from infra.models import prepare_smollm2
+
+    smollm2 = prepare_smollm2(models_dir / "smollm2-135m-instruct", models_dir / "downloads")
+    template = (Path(__file__).parent / "dev_pools.toml").read_text()
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "pools.toml"
+    path.write_text(template.replace("{smollm2_dir}", str(smollm2.resolve())))
+    return path
