@@ -1,0 +1,202 @@
+"""The full pipeline against the same vLLM engine called directly: output tokens/s and time to first token.
+
+Both sides serve SmolLM2-135M-Instruct with the same engine settings (one OpenMP thread, so the engine
+holds one core and the other is left to everything else), the same greedy requests and the same
+concurrency. Direct: `VllmEngine.generate` in this process, fed the token ids the ingress would send.
+Pipeline: the dev stack (HTTP, quota, Kafka, placement, Redis inbox, worker, pub/sub, SSE), read by an
+httpx streaming client. Each concurrency level sends `rounds` requests per stream, after one warm-up.
+
+Run: `.venv/bin/python -m bench.vllm_pipeline` (SmolLM2 is prepared in .sluice/models on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from infra.devstack import DevStack, Endpoints
+from infra.models import prepare_smollm2
+
+MODEL = "smollm2-135m-instruct"
+MODELS = Path(".sluice/models")
+MAX_TOKENS = 64
+
+CONFIG = """
+[[pools]]
+name = "smollm2"
+model = "{model}"
+engine = "vllm"
+context_tokens = 2048
+block_size = 128
+max_queued = 100000
+
+[pools.vllm]
+source = "{source}"
+kv_cache_gib = 1.0
+max_num_seqs = 32
+cpu_threads = 1
+
+[pools.scaling]
+min_replicas = 1
+max_replicas = 1
+"""
+
+Sample = tuple[float, int]  # (seconds to first token, completion tokens) of one request
+TOPICS = ["queues", "rivers", "bridges", "gardens", "clocks", "maps", "ships", "trains"]
+
+
+def question(i: int) -> str:
+    return f"Write three sentences about {TOPICS[i % len(TOPICS)]} (request {i})."
+
+
+@dataclass
+class Run:
+    ttfts: list[float]
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return statistics.median(self.ttfts) * 1000
+
+
+async def _concurrently(concurrency: int, rounds: int, one: Callable[[int], Awaitable[Sample]]) -> Run:
+    """`concurrency` streams, each sending `rounds` requests one after another."""
+
+    async def stream_worker(w: int) -> list[Sample]:
+        return [await one(w * rounds + r) for r in range(rounds)]
+
+    t0 = time.perf_counter()
+    per_worker = await asyncio.gather(*(stream_worker(w) for w in range(concurrency)))
+    seconds = time.perf_counter() - t0
+    results = [r for rs in per_worker for r in rs]
+    return Run([t for t, _ in results], sum(n for _, n in results), seconds)
+
+
+async def direct(source: Path, levels: list[int], rounds: int) -> dict[int, Run]:
+    from gpu_workers.vllm_engine import VllmEngine
+    from ingress.openai_types import ChatMessage
+    from ingress.tokenizer import HFTokenizer
+    from queue_schemas.config import parse_config
+    from queue_schemas.messages import InferenceRequest, SamplingParams
+    from queue_schemas.model_store import ModelStore
+
+    pool = parse_config(CONFIG.format(model=MODEL, source=source)).pools[0]
+    tok = HFTokenizer(source)
+    engine = VllmEngine(pool, ModelStore(MODELS), spec_decoding=False)
+    await engine.start()
+    counter = 0
+
+    async def one(i: int) -> Sample:
+        nonlocal counter
+        counter += 1
+        ids = tok.encode_chat([ChatMessage(role="user", content=question(i))])
+        request = InferenceRequest(
+            request_id=f"bench-{counter:012d}",
+            pool="smollm2",
+            model=MODEL,
+            team="bench",
+            prompt_token_ids=tuple(ids),
+            sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+            created_at=time.time(),
+            deadline=time.time() + 600,
+        )
+        t0 = time.perf_counter()
+        ttft = None
+        tokens = 0
+        async for out in engine.generate(request):
+            if out.text and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens += out.num_tokens
+        return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+
+    try:
+        await one(-1)
+        return {c: await _concurrently(c, rounds, one) for c in levels}
+    finally:
+        await engine.close()
+
+
+async def through_pipeline(endpoints: Endpoints, levels: list[int], rounds: int) -> dict[int, Run]:
+    headers = {"Authorization": f"Bearer {endpoints.api_key}"}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(i: int) -> Sample:
+            body = {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": question(i)}],
+            }
+            t0 = time.perf_counter()
+            ttft = None
+            tokens = 0
+            url = endpoints.url + "/v1/chat/completions"
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+                async for line in r.aiter_lines():
+                    if ttft is None and '"content":"' in line and '"content":""' not in line:
+                        ttft = time.perf_counter() - t0
+                    elif '"completion_tokens":' in line:
+                        tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
+            return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+
+        await one(-1)
+        return {c: await _concurrently(c, rounds, one) for c in levels}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--levels", default="1,4,16")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    source = prepare_smollm2(MODELS / MODEL, MODELS / "downloads").resolve()
+
+    direct_runs = asyncio.run(direct(source, levels, args.rounds))
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "pools.toml"
+        config.write_text(CONFIG.format(model=MODEL, source=source))
+        stack = DevStack(Path(tmp), config_path=config)
+        endpoints = stack.start()
+        try:
+            pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds))
+        finally:
+            stack.stop()
+
+    print(f"SmolLM2-135M-Instruct on vLLM (CPU, 1 engine thread), {MAX_TOKENS} max tokens, greedy")
+    print("streams | direct tok/s | pipeline tok/s | ratio | direct TTFT p50 | pipeline TTFT p50 | added")
+    for c in levels:
+        d, p = direct_runs[c], pipeline_runs[c]
+        ratio = p.tokens_per_s / d.tokens_per_s
+        added = p.ttft_p50_ms - d.ttft_p50_ms
+        print(
+            f"{c:7d} | {d.tokens_per_s:12.1f} | {p.tokens_per_s:14.1f} | {ratio:5.2f} | "
+            f"{d.ttft_p50_ms:12.1f} ms | {p.ttft_p50_ms:14.1f} ms | {added:+6.1f} ms"
+        )
+        if d.tokens != p.tokens:
+            print(f"        note: {d.tokens} tokens direct, {p.tokens} through the pipeline")
+
+
+if __name__ == "__main__":
+    main()
