@@ -5,6 +5,8 @@ holds one core and the other is left to everything else), the same greedy reques
 concurrency. Direct: `VllmEngine.generate` in this process, fed the token ids the ingress would send.
 Pipeline: the dev stack (HTTP, quota, Kafka, placement, Redis inbox, worker, pub/sub, SSE), read by an
 httpx streaming client. Each concurrency level sends `rounds` requests per stream, after one warm-up.
+The direct runs come before and after the pipeline run and are averaged, so drift in the machine's
+speed during the run does not land on one side; their spread is printed as a noise floor.
 
 Run: `.venv/bin/python -m bench.vllm_pipeline` (SmolLM2 is prepared in .sluice/models on first use).
 """
@@ -173,7 +175,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source = prepare_smollm2(MODELS / MODEL, MODELS / "downloads").resolve()
 
-    direct_runs = asyncio.run(direct(source, levels, args.rounds))
+    before = asyncio.run(direct(source, levels, args.rounds))
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "pools.toml"
         config.write_text(CONFIG.format(model=MODEL, source=source))
@@ -183,19 +185,26 @@ def main() -> None:
             pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds))
         finally:
             stack.stop()
+    after = asyncio.run(direct(source, levels, args.rounds))
 
     print(f"SmolLM2-135M-Instruct on vLLM (CPU, 1 engine thread), {MAX_TOKENS} max tokens, greedy")
-    print("streams | direct tok/s | pipeline tok/s | ratio | direct TTFT p50 | pipeline TTFT p50 | added")
+    print(
+        "streams | direct tok/s (before/after) | pipeline tok/s | ratio | direct TTFT p50 | pipeline | added"
+    )
     for c in levels:
-        d, p = direct_runs[c], pipeline_runs[c]
-        ratio = p.tokens_per_s / d.tokens_per_s
-        added = p.ttft_p50_ms - d.ttft_p50_ms
+        a, b, p = before[c], after[c], pipeline_runs[c]
+        direct_rate = (a.tokens_per_s + b.tokens_per_s) / 2
+        direct_ttft = (a.ttft_p50_ms + b.ttft_p50_ms) / 2
+        ratio = p.tokens_per_s / direct_rate
+        added = p.ttft_p50_ms - direct_ttft
         print(
-            f"{c:7d} | {d.tokens_per_s:12.1f} | {p.tokens_per_s:14.1f} | {ratio:5.2f} | "
-            f"{d.ttft_p50_ms:12.1f} ms | {p.ttft_p50_ms:14.1f} ms | {added:+6.1f} ms"
+            f"{c:7d} | {direct_rate:6.1f} ({a.tokens_per_s:5.1f}/{b.tokens_per_s:5.1f}) | "
+            f"{p.tokens_per_s:14.1f} | {ratio:5.2f} | "
+            f"{direct_ttft:8.1f} ms ({a.ttft_p50_ms:.0f}/{b.ttft_p50_ms:.0f}) | "
+            f"{p.ttft_p50_ms:6.1f} ms | {added:+6.1f} ms"
         )
-        if d.tokens != p.tokens:
-            print(f"        note: {d.tokens} tokens direct, {p.tokens} through the pipeline")
+        if a.tokens != p.tokens:
+            print(f"        note: {a.tokens} tokens direct, {p.tokens} through the pipeline")
 
 
 if __name__ == "__main__":
