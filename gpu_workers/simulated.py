@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 from collections.abc import AsyncIterator
 
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.json_sample import UnsupportedSchema, sample
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
@@ -29,6 +31,21 @@ def reply_text(request: InferenceRequest, min_words: int = 12, max_words: int = 
     n_words = min_words + int.from_bytes(digest[:4], "big") % (max_words - min_words + 1)
     words = [_WORDS[(digest[i % len(digest)] + i * 7) % len(_WORDS)] for i in range(n_words)]
     return " ".join(words).capitalize() + "."
+
+
+def structured_text(request: InferenceRequest, words: str) -> str:
+    """Guided output: a JSON object, or a value valid against the request's schema."""
+    structured = request.sampling.structured
+    assert structured is not None
+    if structured.kind == "json_object" or structured.schema_text is None:
+        return json.dumps({"answer": " ".join(words.split()[:6])})
+    seed = int.from_bytes(
+        hashlib.sha256(bytes(t % 256 for t in request.prompt_token_ids)).digest()[:4], "big"
+    )
+    try:
+        return json.dumps(sample(json.loads(structured.schema_text), seed=seed))
+    except (UnsupportedSchema, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"the simulated engine cannot follow this schema: {exc}") from None
 
 
 def apply_stops(text: str, max_tokens: int, stops: tuple[str, ...]) -> tuple[str, FinishReason]:
@@ -107,6 +124,8 @@ class SimulatedEngine:
         if self._blocks_for(prompt_tokens + request.sampling.max_tokens) > self._config.kv_blocks:
             raise EngineError("prompt and max_tokens exceed the engine's KV capacity")
         reply = reply_text(request, self._config.min_words, self._config.max_words)
+        if request.sampling.structured is not None:
+            reply = structured_text(request, reply)
         text, reason = apply_stops(reply, request.sampling.max_tokens, request.sampling.stop)
         self._waiting += 1
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections import deque
@@ -81,9 +82,16 @@ def engine_arguments(
 
 
 def sampling_arguments(request: InferenceRequest) -> dict[str, Any]:
-    """Keyword arguments for vLLM's SamplingParams (deltas, not cumulative text). Pure."""
+    """Keyword arguments for vLLM's SamplingParams (deltas, not cumulative text); `structured` is the
+    guided-decoding constraint, given to vLLM as StructuredOutputsParams. Pure."""
     s = request.sampling
+    structured: dict[str, Any] | None = None
+    if s.structured is not None and s.structured.kind == "json_schema" and s.structured.schema_text:
+        structured = {"json": json.loads(s.structured.schema_text)}
+    elif s.structured is not None:
+        structured = {"json_object": True}
     return {
+        "structured": structured,
         "max_tokens": s.max_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -266,12 +274,15 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError, VLLMError
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
-            params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_arguments(request))
-        except ValueError as exc:
+            fields = sampling_arguments(request)
+            structured = fields.pop("structured")
+            guided = StructuredOutputsParams(**structured) if structured is not None else None
+            params = SamplingParams(output_kind=RequestOutputKind.DELTA, structured_outputs=guided, **fields)
+        except (ValueError, VLLMClientError) as exc:
             raise EngineError(f"sampling parameters refused by the engine: {exc}") from None
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         n_prompt = len(request.prompt_token_ids)

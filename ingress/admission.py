@@ -8,7 +8,7 @@ from ingress.errors import InvalidRequest
 from ingress.openai_types import GenerationFields
 from queue_schemas.config import PoolConfig
 from queue_schemas.keys import TeamKey
-from queue_schemas.messages import InferenceRequest, SamplingParams
+from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
 from queue_schemas.prefix import block_hashes
 
 
@@ -49,6 +49,7 @@ def build_request(
     request_id: str,
     now: float,
     timeout_s: float,
+    structured: StructuredOutput | None = None,
 ) -> InferenceRequest:
     max_tokens = completion_tokens_allowed(body, pool, len(prompt_token_ids))
     sampling = SamplingParams(
@@ -59,6 +60,7 @@ def build_request(
         seed=body.seed,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        structured=structured,
     )
     return InferenceRequest(
         request_id=request_id,

@@ -16,6 +16,24 @@ class TextPart(BaseModel):
     text: str
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str = Field(description="the arguments as a JSON text, as the model produced them")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -23,6 +41,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, min_length=1)
 
     def text(self) -> str:
         if self.content is None:
@@ -38,7 +57,78 @@ class ChatMessage(BaseModel):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
         return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
 
 
 class StreamOptions(BaseModel):
@@ -80,6 +170,10 @@ class GenerationFields(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -107,6 +201,10 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
+def tool_call_body(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 class ResponseShape:
     """Chat (`chat.completion[.chunk]`, delta/message) or text (`text_completion`, text) bodies."""
 
@@ -115,6 +213,27 @@ class ResponseShape:
         self.completion_id = completion_id
         self.created = created
         self.model = model
+
+    def tool_chunk(
+        self, include_usage: bool, arguments: str, header: tuple[str, str] | None = None
+    ) -> dict[str, Any]:
+        """A streamed tool-call delta: the first carries (call id, function name), later ones only
+        argument fragments, as the official clients reassemble them."""
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+        if header is not None:
+            call = {"index": 0, **tool_call_body(header[0], header[1], arguments)}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+        body = self._envelope("chat.completion.chunk", [choice])
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def complete_tool_call(
+        self, call: dict[str, Any], finish_reason: FinishReason, usage: Usage
+    ) -> dict[str, Any]:
+        message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._envelope("chat.completion", [choice]), "usage": usage_body(usage)}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

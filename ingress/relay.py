@@ -7,17 +7,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from ingress.errors import from_bus_error
-from ingress.openai_types import ResponseShape
+from ingress.openai_types import ResponseShape, tool_call_body
 from ingress.streams import HubDisconnected, Subscription
+from ingress.structured import ToolCallPlan, parse_tool_call
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, StreamEvent, TokenChunk
+from queue_schemas.messages import (
+    ErrorChunk,
+    FinalChunk,
+    FinishReason,
+    InferenceRequest,
+    StreamEvent,
+    TokenChunk,
+)
 
 
 async def events(sub: Subscription, request: InferenceRequest) -> AsyncIterator[StreamEvent]:
@@ -67,12 +75,24 @@ def _dump(body: dict[str, Any]) -> str:
     return orjson.dumps(body).decode()
 
 
+def tool_finish(reason: FinishReason, called: bool) -> FinishReason:
+    """A call the engine completed ends with `tool_calls`; a truncated one keeps `length`."""
+    return FinishReason.TOOL_CALLS if called and reason is FinishReason.STOP else reason
+
+
 @dataclass
 class SseFormatter:
-    """Turns bus events into OpenAI stream payloads with a consistent id/created/model."""
+    """Turns bus events into OpenAI stream payloads with a consistent id/created/model.
+
+    With a tool call forced, a named function's arguments stream as tool-call deltas as they come; when
+    the model picks the function, the output is held until it is complete and sent as one call.
+    """
 
     shape: ResponseShape
     include_usage: bool
+    tool: ToolCallPlan | None = None
+    _held: list[str] = field(default_factory=list)
+    _called: bool = False
 
     def opening(self) -> list[str]:
         """Chat streams open with the assistant role; text completions have no opening chunk."""
@@ -83,18 +103,40 @@ class SseFormatter:
     def format(self, event: StreamEvent) -> list[str]:
         if isinstance(event, ErrorChunk):
             return [_dump(from_bus_error(event.code, event.message).body())]
-        out: list[str] = []
-        if event.text:
-            out.append(_dump(self.shape.chunk(event.text, None, self.include_usage)))
+        out = self._tool_deltas(event) if self.tool is not None else self._text_deltas(event)
         if isinstance(event, FinalChunk):
-            out.append(_dump(self.shape.chunk("", event.finish_reason, self.include_usage)))
+            reason = tool_finish(event.finish_reason, self._called)
+            out.append(_dump(self.shape.chunk("", reason, self.include_usage)))
             if self.include_usage:
                 out.append(_dump(self.shape.usage_chunk(event.usage)))
             out.append("[DONE]")
         return out
 
+    def _text_deltas(self, event: TokenChunk | FinalChunk) -> list[str]:
+        return [_dump(self.shape.chunk(event.text, None, self.include_usage))] if event.text else []
 
-async def collect(sub: Subscription, request: InferenceRequest, shape: ResponseShape) -> dict[str, Any]:
+    def _tool_deltas(self, event: TokenChunk | FinalChunk) -> list[str]:
+        assert self.tool is not None
+        if self.tool.name is not None:
+            if not event.text:
+                return []
+            header = None if self._called else (self.tool.call_id, self.tool.name)
+            self._called = True
+            return [_dump(self.shape.tool_chunk(self.include_usage, event.text, header))]
+        self._held.append(event.text)
+        if not isinstance(event, FinalChunk):
+            return []
+        text = "".join(self._held)
+        call = parse_tool_call(text, self.tool)
+        if call is None:  # not a complete call (cut by max_tokens): the raw output, as text
+            return [_dump(self.shape.chunk(text, None, self.include_usage))] if text else []
+        self._called = True
+        return [_dump(self.shape.tool_chunk(self.include_usage, call[1], (self.tool.call_id, call[0])))]
+
+
+async def collect(
+    sub: Subscription, request: InferenceRequest, shape: ResponseShape, tool: ToolCallPlan | None = None
+) -> dict[str, Any]:
     """Gather a whole completion for a non-streaming client; raise the translated error on failure."""
     parts: list[str] = []
     async for event in events(sub, request):
@@ -102,5 +144,10 @@ async def collect(sub: Subscription, request: InferenceRequest, shape: ResponseS
             raise from_bus_error(event.code, event.message)
         parts.append(event.text)
         if isinstance(event, FinalChunk):
-            return shape.complete("".join(parts), event.finish_reason, event.usage)
+            text = "".join(parts)
+            call = parse_tool_call(text, tool) if tool is not None else None
+            if tool is not None and call is not None:
+                body = tool_call_body(tool.call_id, call[0], call[1])
+                return shape.complete_tool_call(body, tool_finish(event.finish_reason, True), event.usage)
+            return shape.complete(text, event.finish_reason, event.usage)
     raise AssertionError("events() always ends with a terminal chunk")

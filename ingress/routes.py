@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, TypeVar
@@ -21,8 +22,15 @@ from ingress.auth import Caller
 from ingress.context import IngressContext
 from ingress.errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from ingress.metrics import ACTIVE_STREAMS, REJECTIONS, REQUESTS, TTFT
-from ingress.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponseShape
+from ingress.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationFields,
+    ResponseShape,
+)
 from ingress.streams import HubDisconnected, Subscription
+from ingress.structured import OutputPlan, plan_output, xgrammar_check
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest
 
@@ -141,6 +149,7 @@ def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
 
 
 INLINE_TOKENIZE_BYTES = 16 * 1024
+NO_PLAN = OutputPlan()
 T = TypeVar("T")
 
 
@@ -155,9 +164,15 @@ async def tokenize(encode: Callable[[T], list[int]], what: T, body_bytes: int) -
 async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
     body = parse_body(ChatCompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
     pool = resolve_pool(ctx, team, body.model)
+    compile_check = xgrammar_check if pool.engine == "vllm" else None
+    plan = plan_output(body, f"call_{secrets.token_hex(12)}", compile_check, tool_parser=False)
     tokenizer = ctx.tokenizers[pool.name]
-    prompt_ids = await tokenize(tokenizer.encode_chat, body.messages, len(await request.body()))
-    return await serve(ctx, team, pool, body, prompt_ids, "chat")
+
+    def encode(messages: list[ChatMessage]) -> list[int]:
+        return tokenizer.encode_chat(messages, plan.tools)
+
+    prompt_ids = await tokenize(encode, body.messages, len(await request.body()))
+    return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
@@ -178,11 +193,13 @@ async def serve(
     body: GenerationFields,
     prompt_ids: list[int],
     kind: Literal["chat", "text"],
+    plan: OutputPlan = NO_PLAN,
 ) -> Response:
     """Admit (pool and quota), queue, then relay: the steps both completion endpoints share."""
     inference = admission.build_request(
         body, pool, team.key, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
+        structured=plan.structured,
     )  # fmt: skip
     try:
         await ctx.pool_gate.check(pool)
@@ -197,10 +214,10 @@ async def serve(
     shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), pool.model)
     ACTIVE_STREAMS.labels(pool.name).inc()
     if body.stream:
-        stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage()))
+        stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))
         return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
     try:
-        result = await relay.collect(sub, inference, shape)
+        result = await relay.collect(sub, inference, shape, plan.tool)
         REQUESTS.labels(pool.name, "ok").inc()
         return JSONResponse(result, headers=headers)
     except asyncio.CancelledError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -11,9 +12,11 @@ from ingress.openai_types import ChatMessage
 from queue_schemas.config import PoolConfig
 from queue_schemas.model_store import TOKENIZER_FILES, ModelSourceError, ModelStore
 
+ToolDefinitions = Sequence[dict[str, Any]]
+
 
 class PromptTokenizer(Protocol):
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: ToolDefinitions = ()) -> list[int]:
         """Render the pool's chat template with the generation prompt and return its token ids."""
         ...
 
@@ -22,15 +25,40 @@ class PromptTokenizer(Protocol):
         ...
 
 
+def conversation(
+    messages: Sequence[ChatMessage], tools: ToolDefinitions, template_tools: bool, template_calls: bool
+) -> list[dict[str, Any]]:
+    """Messages as a chat template takes them. For a template that knows nothing of tools, the tool
+    definitions become a system message and earlier tool calls become text, so the model still sees them."""
+    turns = [m.template_dict() for m in messages]
+    if not template_calls:
+        for turn in turns:
+            calls = turn.pop("tool_calls", None)
+            if calls:
+                text = "\n".join(
+                    json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                    for c in calls
+                )
+                turn["content"] = f"{turn['content']}\n{text}".strip()
+    if tools and not template_tools:
+        listing = json.dumps([t["function"] for t in tools])
+        note = f'Functions you can call, by answering with JSON {{"name": ..., "arguments": ...}}: {listing}'
+        turns.insert(0, {"role": "system", "content": note})
+    return turns
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids (vocabulary 256) with a ChatML template: the simulated engine's tokenizer."""
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        turns = [f"<|im_start|>{m.role}\n{m.text()}<|im_end|>\n" for m in messages]
+    def render(self, messages: Sequence[ChatMessage], tools: ToolDefinitions = ()) -> str:
+        turns = [
+            f"<|im_start|>{t['role']}\n{t['content']}<|im_end|>\n"
+            for t in conversation(messages, tools, False, False)
+        ]
         return "".join(turns) + "<|im_start|>assistant\n"
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return list(self.render(messages).encode())
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: ToolDefinitions = ()) -> list[int]:
+        return list(self.render(messages, tools).encode())
 
     def encode_text(self, prompt: str) -> list[int]:
         return list(prompt.encode())
@@ -45,16 +73,20 @@ class HFTokenizer:
         if not folder.is_dir():
             raise ValueError(f"tokenizer folder {folder} does not exist")
         self._tok: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        if not self._tok.chat_template:
+        template = self._tok.chat_template
+        if not template:
             raise ValueError(f"tokenizer in {folder} has no chat template")
+        self.template_tools = "tools" in template
+        self.template_calls = "tool_calls" in template
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: ToolDefinitions = ()) -> list[int]:
         from jinja2 import TemplateError
 
-        conversation = [m.template_dict() for m in messages]
+        turns = conversation(messages, tools, self.template_tools, self.template_calls)
+        extra = {"tools": list(tools)} if tools and self.template_tools else {}
         try:
             ids = self._tok.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+                turns, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
             )
         except TemplateError as exc:
             raise InvalidRequest(

@@ -38,6 +38,7 @@ class ReplyMode(StrEnum):
 class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"  # shown to clients when the answer is a tool call; engines end with stop
 
 
 class WorkerState(StrEnum):
@@ -45,6 +46,15 @@ class WorkerState(StrEnum):
     READY = "ready"
     DRAINING = "draining"
     FAILED = "failed"
+
+
+class StructuredOutput(BaseModel):
+    """Output the engine must produce: any JSON object, or JSON valid against a schema (guided decoding)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema"]
+    schema_text: str | None = Field(default=None, description="the JSON schema, serialized, for json_schema")
 
 
 class SamplingParams(BaseModel):
@@ -57,6 +67,7 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    structured: StructuredOutput | None = None
 
 
 class InferenceRequest(Message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +20,13 @@ from gpu_workers.vllm_engine import (
 )
 from infra.install_engine import cpu_requirements
 from queue_schemas.config import ConfigError, PoolConfig, VllmEngineConfig, parse_config
-from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind, SamplingParams
+from queue_schemas.messages import (
+    FinishReason,
+    InferenceRequest,
+    KvEventKind,
+    SamplingParams,
+    StructuredOutput,
+)
 from queue_schemas.prefix import block_hashes
 
 
@@ -102,6 +109,7 @@ def test_sampling_arguments_carry_every_field() -> None:
     )
     args = sampling_arguments(request)
     assert args == {
+        "structured": None,
         "max_tokens": 9,
         "temperature": 0.0,
         "top_p": 0.5,
@@ -168,3 +176,17 @@ def test_vllm_pools_need_their_section_and_a_real_tokenizer() -> None:
     )
     assert config.pools[0].tokenizer_source == "s3://b/m"
     assert parse_config('[[pools]]\nname = "a"\nmodel = "a"\n').pools[0].tokenizer_source == "bytes"
+
+
+def test_structured_outputs_become_vllm_guidance() -> None:
+    def args_for(structured: StructuredOutput) -> object:
+        sampling = SamplingParams(max_tokens=4, structured=structured)
+        request = InferenceRequest(
+            request_id="r" * 16, pool="p", model="m", team="t", prompt_token_ids=(1,),
+            sampling=sampling, created_at=0.0, deadline=1.0,
+        )  # fmt: skip
+        return sampling_arguments(request)["structured"]
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert args_for(StructuredOutput(kind="json_schema", schema_text=json.dumps(schema))) == {"json": schema}
+    assert args_for(StructuredOutput(kind="json_object")) == {"json_object": True}

@@ -1,0 +1,166 @@
+"""response_format, tools and tool_choice: checked at admission, turned into the engine's guidance.
+
+Pure: `plan_output` decides what the engine is told (a JSON schema to follow, or any JSON object) and
+how the answer is shaped back (text, or a tool call). Every problem is a 400 naming the field, before
+the request is queued. `compile_check` is the engine's own schema compiler where the pool has one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema import SchemaError
+from jsonschema.validators import validator_for
+
+from ingress.errors import InvalidRequest
+from ingress.openai_types import (
+    ChatCompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    NamedToolChoice,
+    Tool,
+)
+from queue_schemas.messages import StructuredOutput
+
+# Returns why the engine cannot compile a schema (serialized), or None when it can.
+CompileCheck = Callable[[str], str | None]
+SCHEMA_PARAM = "response_format.json_schema.schema"
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallPlan:
+    """The answer is one tool call: of `name`, or (None) of whichever tool the model names."""
+
+    call_id: str
+    name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    structured: StructuredOutput | None = None
+    tool: ToolCallPlan | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # definitions shown to the model through the chat template
+
+
+def _check_schema(schema: Any, param: str, compile_check: CompileCheck | None) -> str:
+    if not isinstance(schema, dict):
+        raise InvalidRequest("The JSON schema must be an object.", param=param)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise InvalidRequest(f"Invalid JSON schema: {exc.message}", param=param) from None
+    text = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    if compile_check is not None:
+        problem = compile_check(text)
+        if problem is not None:
+            raise InvalidRequest(f"The engine cannot compile this JSON schema: {problem}", param=param)
+    return text
+
+
+def _parameters(tool: Tool, index: int, compile_check: CompileCheck | None) -> dict[str, Any]:
+    params = tool.function.parameters if tool.function.parameters is not None else EMPTY_PARAMETERS
+    param = f"tools.{index}.function.parameters"
+    if params.get("type") != "object":
+        raise InvalidRequest("A function's parameters must be a JSON schema of type 'object'.", param=param)
+    _check_schema(params, param, compile_check)
+    return params
+
+
+def _any_tool_schema(tools: list[Tool], params: list[dict[str, Any]]) -> dict[str, Any]:
+    """JSON naming one of the tools and giving its arguments: {"name": ..., "arguments": {...}}."""
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": p},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t, p in zip(tools, params, strict=True)
+        ]
+    }
+
+
+def plan_output(
+    body: ChatCompletionRequest, call_id: str, compile_check: CompileCheck | None, tool_parser: bool
+) -> OutputPlan:
+    """What the engine must produce for this request, and how the answer is shaped back."""
+    tools = body.tools or []
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("Function names in tools must be unique.", param="tools")
+    params = [_parameters(t, i, compile_check) for i, t in enumerate(tools)]
+    definitions = tuple(t.model_dump(exclude_none=True) for t in tools)
+    choice = body.tool_choice
+    if choice is not None and not tools:
+        raise InvalidRequest("tool_choice is only allowed when tools are given.", param="tool_choice")
+    if tools and choice in (None, "auto") and not tool_parser:
+        raise InvalidRequest(
+            "tool_choice 'auto' needs a pool with a tool-call parser, and this pool has none: send "
+            "tool_choice 'required', a named function, or 'none'.",
+            param="tool_choice",
+        )
+    forced: ToolCallPlan | None = None
+    schema: dict[str, Any] | None = None
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise InvalidRequest(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools.",
+                param="tool_choice.function.name",
+            )
+        forced = ToolCallPlan(call_id, choice.function.name)
+        schema = params[names.index(choice.function.name)]
+    elif choice == "required":
+        forced = ToolCallPlan(call_id, None)
+        schema = _any_tool_schema(tools, params)
+    fmt = body.response_format
+    if forced is not None:
+        if isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat):
+            raise InvalidRequest(
+                "response_format cannot be combined with a tool_choice that forces a tool call.",
+                param="response_format",
+            )
+        guided = StructuredOutput(kind="json_schema", schema_text=json.dumps(schema, separators=(",", ":")))
+        return OutputPlan(guided, forced, definitions)
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        if fmt.json_schema.schema_ is None:
+            raise InvalidRequest(
+                "json_schema.schema is required.", param="response_format.json_schema.schema"
+            )
+        text = _check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema", compile_check)
+        return OutputPlan(StructuredOutput(kind="json_schema", schema_text=text), None, definitions)
+    if isinstance(fmt, JsonObjectFormat):
+        return OutputPlan(StructuredOutput(kind="json_object"), None, definitions)
+    return OutputPlan(None, None, definitions)
+
+
+def xgrammar_check(schema_json: str) -> str | None:
+    """The guided-decoding compiler vLLM uses: why it refuses the schema, or None. Where the engine's
+    compiler is not installed beside the ingress, the engine reports a refused schema as an error event."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+
+    try:
+        xgrammar.Grammar.from_json_schema(schema_json)
+    except (RuntimeError, ValueError) as exc:
+        return str(exc).strip().rsplit(": ", 1)[-1]
+    return None
+
+
+def parse_tool_call(text: str, plan: ToolCallPlan) -> tuple[str, str] | None:
+    """(function name, arguments JSON) from the model's output, or None if it is not a complete call."""
+    if plan.name is not None:
+        return plan.name, text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or "arguments" not in value:
+        return None
+    return value["name"], json.dumps(value["arguments"], separators=(",", ":"))

@@ -1,0 +1,150 @@
+"""Structured outputs and tool calls through the whole stack with the simulated engine, driven by the
+official client (its tool-call stream accumulator included)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from jsonschema import validate
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+
+from infra.devstack import Endpoints
+from ingress.openai_types import ChatMessage
+from ingress.tokenizer import ByteTokenizer
+from tests.e2e.conftest import openai_client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+
+MODEL = "sluice-sim"
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Plan a trip."}]
+TRIP = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 2},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "stops": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+    },
+    "required": ["city", "days", "stops"],
+    "additionalProperties": False,
+}
+WEATHER_PARAMS: dict[str, object] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+}
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+
+def first_call(completion: Any) -> tuple[str, str, str]:
+    """(id, function name, arguments) of the completion's first tool call."""
+    call = (completion.choices[0].message.tool_calls or [])[0]
+    assert call.type == "function"
+    return call.id, call.function.name, call.function.arguments
+
+
+def trip_format() -> Any:
+    return {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP, "strict": True}}
+
+
+def test_json_schema_whole_and_streamed(endpoints: Endpoints) -> None:
+    client = openai_client(endpoints)
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, response_format=trip_format())
+    validate(json.loads(reply.choices[0].message.content or ""), TRIP)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=trip_format(), stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    validate(json.loads(text), TRIP)
+
+
+def test_json_object(endpoints: Endpoints) -> None:
+    reply = openai_client(endpoints).chat.completions.create(
+        model=MODEL, messages=ASK, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+
+
+def test_named_tool_call_whole_and_streamed(endpoints: Endpoints) -> None:
+    client = openai_client(endpoints)
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.choices[0].message.content is None
+    _, name, arguments = first_call(reply)
+    assert name == "get_weather"
+    validate(json.loads(arguments), WEATHER_PARAMS)
+
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice) as stream:
+        final = stream.get_final_completion()
+    call_id, streamed_name, streamed_arguments = first_call(final)
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (streamed_name, streamed_arguments) == (name, arguments)
+    assert call_id.startswith("call_")
+
+
+def test_required_tool_choice_lets_the_model_pick(endpoints: Endpoints) -> None:
+    client = openai_client(endpoints)
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+    _, name, arguments = first_call(reply)
+    assert name in {"get_weather", "get_time"}
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required") as s:
+        final = s.get_final_completion()
+    assert first_call(final)[1:] == (name, arguments)
+
+
+def test_tool_history_is_rendered_and_counted(endpoints: Endpoints) -> None:
+    history: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "4 degrees, rain"},
+    ]
+    reply = openai_client(endpoints).chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none"
+    )
+    expected = ByteTokenizer().encode_chat(
+        [ChatMessage.model_validate(m) for m in history], [dict(t) for t in TOOLS]
+    )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(expected)
+    assert b"Oslo" in bytes(expected), "the earlier call reaches the model"
+    assert b"get_time" in bytes(expected), "the tool definitions reach the model"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+         "response_format.json_schema.schema"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+         "tool_choice.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+          "tool_choice": "required"}, "tools.0.function.parameters"),
+    ],
+)  # fmt: skip
+def test_bad_structured_input_is_a_400_naming_the_field(
+    endpoints: Endpoints, extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client(endpoints).chat.completions.create(model=MODEL, messages=ASK, **extra)
+    assert err.value.status_code == 400
+    body: Any = err.value.body
+    assert body["param"] == param
