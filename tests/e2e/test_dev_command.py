@@ -4,6 +4,7 @@ works, real answers through the official client, and Ctrl-C leaving no process b
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -13,11 +14,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import redis.asyncio as aioredis
-from openai.types.chat import ChatCompletionMessageParam
+from langchain_openai import ChatOpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from pydantic import BaseModel, Field, SecretStr
 
 from ingress.openai_types import ChatMessage
 from ingress.tokenizer import HFTokenizer
@@ -26,6 +31,7 @@ from queue_schemas.messages import KvEvent, KvEventKind
 from queue_schemas.names import Names
 from queue_schemas.prefix import block_hashes
 
+MODEL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
@@ -208,6 +214,84 @@ def test_a_prompt_over_the_context_is_refused(dev_run: DevRun) -> None:
             messages=[{"role": "user", "content": "word " * 3000}],
         )
     assert err.value.code == "context_length_exceeded"
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+WEATHER: dict[str, object] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+def test_smollm2_follows_a_json_schema(dev_run: DevRun) -> None:
+    ask: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Describe a programmer called Ada, 36 years old, as JSON."}
+    ]
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with _client(dev_run) as client:
+        whole = client.chat.completions.create(
+            model=MODEL, messages=ask, response_format=fmt, max_tokens=120, temperature=0
+        )
+        stream = client.chat.completions.create(
+            model=MODEL, messages=ask, response_format=fmt, max_tokens=120, temperature=0, stream=True
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content or ""), PERSON)
+    jsonschema.validate(json.loads(streamed), PERSON)
+
+
+def test_smollm2_calls_a_named_tool_as_streamed_deltas(dev_run: DevRun) -> None:
+    ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools: list[ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+    ]
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    with (
+        _client(dev_run) as client,
+        client.chat.completions.stream(
+            model=MODEL, messages=ask, tools=tools, tool_choice=choice, max_tokens=60, temperature=0
+        ) as stream,
+    ):
+        final = stream.get_final_completion()
+    call: Any = (final.choices[0].message.tool_calls or [])[0]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+class City(BaseModel):
+    """A city and the country it is in."""
+
+    city: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+
+
+def test_langchain_gets_a_structured_output(dev_run: DevRun) -> None:
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=dev_run.env["SLUICE_URL"] + "/v1",
+        api_key=SecretStr(dev_run.env["SLUICE_API_KEY"]),
+        temperature=0,
+        max_completion_tokens=60,
+        max_retries=0,
+    )
+    answer = llm.with_structured_output(City, method="json_schema").invoke(
+        "Which city is the capital of France?"
+    )
+    assert isinstance(answer, City)
+    assert answer.city
 
 
 def test_ctrl_c_stops_everything(dev_run: DevRun) -> None:
