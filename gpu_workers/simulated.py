@@ -73,6 +73,8 @@ class SimulatedEngine:
         self._kv_changes: list[KvChange] = []
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._generated = 0
+        self._dead: str | None = None
 
     async def start(self) -> None:
         return None
@@ -81,7 +83,7 @@ class SimulatedEngine:
         return None
 
     def failure(self) -> str | None:
-        return None
+        return self._dead
 
     def take_kv_changes(self) -> list[KvChange]:
         changes, self._kv_changes = self._kv_changes, []
@@ -120,6 +122,8 @@ class SimulatedEngine:
         )
 
     async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
+        if self._dead is not None:
+            raise EngineError(self._dead)
         prompt_tokens = len(request.prompt_token_ids)
         if self._blocks_for(prompt_tokens + request.sampling.max_tokens) > self._config.kv_blocks:
             raise EngineError("prompt and max_tokens exceed the engine's KV capacity")
@@ -146,6 +150,12 @@ class SimulatedEngine:
                     await asyncio.sleep(self._config.token_ms / 1000)
                 if i == self._config.fail_after_tokens:
                     raise EngineError(f"simulated engine fault after {i} tokens")
+                if self._dead is not None:
+                    raise EngineError(self._dead)
+                self._generated += 1
+                if self._generated == self._config.die_after_tokens:
+                    self._dead = f"the simulated engine died after {self._generated} tokens"
+                    raise EngineError(self._dead)
                 self._blocks_used[rid] = self._blocks_for(prompt_tokens + i + 1)
                 self._decoded.append((time.monotonic(), 1))
                 last = i == len(text) - 1

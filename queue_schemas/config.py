@@ -32,6 +32,9 @@ class SimulatedEngineConfig(BaseModel):
     fail_after_tokens: int | None = Field(
         default=None, ge=0, description="fault injection: fail every request after this many tokens"
     )
+    die_after_tokens: int | None = Field(
+        default=None, ge=0, description="fault injection: the whole engine dies after this many tokens"
+    )
 
     @model_validator(mode="after")
     def _word_range(self) -> Self:

@@ -9,8 +9,9 @@ from prometheus_client import REGISTRY
 from redis.asyncio.client import PubSub
 
 from gpu_workers.simulated import reply_text
-from queue_schemas.codec import decode_stream_event, encode
-from queue_schemas.messages import ErrorChunk, FinalChunk, StreamEvent, TokenChunk
+from queue_schemas.codec import decode, decode_stream_event, encode
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.messages import ErrorChunk, FinalChunk, Heartbeat, StreamEvent, TokenChunk, WorkerState
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import make_request, pipeline
 
@@ -110,3 +111,26 @@ async def test_expired_request_gets_a_timeout_error(bus: Bus) -> None:
         assert len(events) == 1
         assert isinstance(events[0], ErrorChunk)
         assert events[0].code == "timeout"
+
+
+async def test_a_dead_engine_ends_the_request_and_fails_the_worker(bus: Bus) -> None:
+    engine = SimulatedEngineConfig(ttft_ms=5, token_ms=5, die_after_tokens=4)
+    async with pipeline(bus, engine=engine) as p:
+        req = make_request("sim", "req-dead-engine01", max_tokens=40)
+        async with p.redis.pubsub() as pubsub:
+            await pubsub.subscribe(p.settings.names.stream_channel(req.request_id))
+            await p.producer.send_and_wait(p.settings.names.requests_topic("sim"), encode(req), key=b"k")
+            events = await collect_events(pubsub)
+        error = events[-1]
+        assert isinstance(error, ErrorChunk), events
+        assert error.code == "engine_error"
+        assert "died" in error.message
+        for _ in range(50):  # the worker reports the failure, then stops by itself
+            raw = await p.redis.get(p.settings.names.heartbeat("sim", p.worker_id))
+            if raw is not None and decode(Heartbeat, raw).state is WorkerState.FAILED:
+                break
+            await asyncio.sleep(0.1)
+        assert raw is not None
+        hb = decode(Heartbeat, raw)
+        assert hb.state is WorkerState.FAILED
+        assert "died" in (hb.error or "")
