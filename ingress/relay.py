@@ -128,7 +128,8 @@ class SseFormatter:
             return []
         text = "".join(self._held)
         call = parse_tool_call(text, self.tool)
-        if call is None:  # not a complete call (cut by max_tokens): the raw output, as text
+        if not isinstance(call, tuple):  # a plain answer, or output cut by max_tokens: text
+            text = call if isinstance(call, str) else text
             return [_dump(self.shape.chunk(text, None, self.include_usage))] if text else []
         self._called = True
         return [_dump(self.shape.tool_chunk(self.include_usage, call[1], (self.tool.call_id, call[0])))]
@@ -146,8 +147,8 @@ async def collect(
         if isinstance(event, FinalChunk):
             text = "".join(parts)
             call = parse_tool_call(text, tool) if tool is not None else None
-            if tool is not None and call is not None:
+            if tool is not None and isinstance(call, tuple):
                 body = tool_call_body(tool.call_id, call[0], call[1])
                 return shape.complete_tool_call(body, tool_finish(event.finish_reason, True), event.usage)
-            return shape.complete(text, event.finish_reason, event.usage)
+            return shape.complete(call if isinstance(call, str) else text, event.finish_reason, event.usage)
     raise AssertionError("events() always ends with a terminal chunk")

@@ -33,10 +33,12 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True, slots=True)
 class ToolCallPlan:
-    """The answer is one tool call: of `name`, or (None) of whichever tool the model names."""
+    """The answer is one tool call: of `name`, or (None) of whichever tool the model names. With `auto`
+    the model may answer in text instead, as {"content": ...}."""
 
     call_id: str
     name: str | None
+    auto: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,19 +72,27 @@ def _parameters(tool: Tool, index: int, compile_check: CompileCheck | None) -> d
     return params
 
 
-def _any_tool_schema(tools: list[Tool], params: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON naming one of the tools and giving its arguments: {"name": ..., "arguments": {...}}."""
-    return {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t.function.name}, "arguments": p},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for t, p in zip(tools, params, strict=True)
-        ]
-    }
+TEXT_ANSWER = {
+    "type": "object",
+    "properties": {"content": {"type": "string"}},
+    "required": ["content"],
+    "additionalProperties": False,
+}
+
+
+def _any_tool_schema(tools: list[Tool], params: list[dict[str, Any]], text: bool) -> dict[str, Any]:
+    """JSON naming one of the tools and giving its arguments: {"name": ..., "arguments": {...}}; with
+    `text`, a plain answer {"content": ...} is allowed too."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "arguments": p},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t, p in zip(tools, params, strict=True)
+    ]
+    return {"anyOf": [*calls, TEXT_ANSWER] if text else calls}
 
 
 def plan_output(
@@ -98,12 +108,6 @@ def plan_output(
     choice = body.tool_choice
     if choice is not None and not tools:
         raise InvalidRequest("tool_choice is only allowed when tools are given.", param="tool_choice")
-    if tools and choice in (None, "auto") and not tool_parser:
-        raise InvalidRequest(
-            "tool_choice 'auto' needs a pool with a tool-call parser, and this pool has none: send "
-            "tool_choice 'required', a named function, or 'none'.",
-            param="tool_choice",
-        )
     forced: ToolCallPlan | None = None
     schema: dict[str, Any] | None = None
     if isinstance(choice, NamedToolChoice):
@@ -116,12 +120,16 @@ def plan_output(
         schema = params[names.index(choice.function.name)]
     elif choice == "required":
         forced = ToolCallPlan(call_id, None)
-        schema = _any_tool_schema(tools, params)
+        schema = _any_tool_schema(tools, params, text=False)
+    elif tools and choice in (None, "auto") and not tool_parser:
+        # No parser for the model's own call syntax: guided decoding lets it answer either way.
+        forced = ToolCallPlan(call_id, None, auto=True)
+        schema = _any_tool_schema(tools, params, text=True)
     fmt = body.response_format
     if forced is not None:
         if isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat):
             raise InvalidRequest(
-                "response_format cannot be combined with a tool_choice that forces a tool call.",
+                "response_format cannot be combined with tools unless tool_choice is 'none'.",
                 param="response_format",
             )
         guided = StructuredOutput(kind="json_schema", schema_text=json.dumps(schema, separators=(",", ":")))
@@ -153,14 +161,19 @@ def xgrammar_check(schema_json: str) -> str | None:
     return None
 
 
-def parse_tool_call(text: str, plan: ToolCallPlan) -> tuple[str, str] | None:
-    """(function name, arguments JSON) from the model's output, or None if it is not a complete call."""
+def parse_tool_call(text: str, plan: ToolCallPlan) -> tuple[str, str] | str | None:
+    """(function name, arguments JSON) from the model's output; with `auto`, the text of a plain answer;
+    None if the output is not complete (cut by max_tokens)."""
     if plan.name is not None:
         return plan.name, text
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or "arguments" not in value:
+    if not isinstance(value, dict):
+        return None
+    if plan.auto and isinstance(value.get("content"), str) and "name" not in value:
+        return str(value["content"])
+    if not isinstance(value.get("name"), str) or "arguments" not in value:
         return None
     return value["name"], json.dumps(value["arguments"], separators=(",", ":"))

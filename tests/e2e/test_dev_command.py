@@ -271,6 +271,37 @@ def test_smollm2_calls_a_named_tool_as_streamed_deltas(dev_run: DevRun) -> None:
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
+def test_smollm2_with_auto_tool_choice_answers_in_text_or_a_valid_call(dev_run: DevRun) -> None:
+    ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools: list[ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+    ]
+    with _client(dev_run) as client:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ask, tools=tools, max_tokens=80, temperature=0
+        )
+    choice = reply.choices[0]
+    if choice.message.tool_calls:
+        call: Any = choice.message.tool_calls[0]
+        assert choice.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    else:
+        assert choice.finish_reason == "stop"
+        assert choice.message.content
+
+
+def test_a_schema_the_engine_cannot_compile_is_refused_before_queueing(dev_run: DevRun) -> None:
+    dangling = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}  # valid JSON Schema
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": dangling}}
+    with _client(dev_run) as client, pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=fmt
+        )
+    body: Any = err.value.body
+    assert body["param"] == "response_format.json_schema.schema"
+    assert "cannot compile" in body["message"]
+
+
 class City(BaseModel):
     """A city and the country it is in."""
 

@@ -101,6 +101,19 @@ def test_required_tool_choice_lets_the_model_pick(endpoints: Endpoints) -> None:
     assert first_call(final)[1:] == (name, arguments)
 
 
+def test_auto_tool_choice_answers_with_a_call_or_text(endpoints: Endpoints) -> None:
+    client = openai_client(endpoints)
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)  # auto by default
+    # The simulated engine takes the schema's first branch: a call of the first tool.
+    assert reply.choices[0].finish_reason == "tool_calls"
+    _, name, arguments = first_call(reply)
+    assert name == "get_weather"
+    validate(json.loads(arguments), WEATHER_PARAMS)
+    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto") as s:
+        final = s.get_final_completion()
+    assert first_call(final)[1:] == (name, arguments)
+
+
 def test_tool_history_is_rendered_and_counted(endpoints: Endpoints) -> None:
     history: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Weather in Oslo?"},

@@ -68,7 +68,6 @@ def test_json_schema_and_json_object() -> None:
           "tool_choice": "required"}, "tools.0.function.parameters"),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [WEATHER]}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),
     ],
@@ -104,6 +103,17 @@ def test_named_and_required_tool_choice() -> None:
     validate({"name": "get_time", "arguments": {}}, schema)
     assert len(required.tools) == 2
     assert plan(tools=[WEATHER], tool_choice="none").tool is None
+
+
+def test_auto_lets_the_model_answer_in_text_or_call() -> None:
+    auto = plan(tools=[WEATHER, TIME])
+    assert auto.tool == ToolCallPlan("call_1", None, auto=True)
+    schema = json.loads(auto.structured.schema_text)
+    validate({"content": "It is sunny."}, schema)
+    validate({"name": "get_time", "arguments": {}}, schema)
+    assert parse_tool_call('{"content": "It is sunny."}', auto.tool) == "It is sunny."
+    assert parse_tool_call('{"name": "get_time", "arguments": {}}', auto.tool) == ("get_time", "{}")
+    assert parse_tool_call('{"content": "It is sunny."}', ToolCallPlan("c", None)) is None
 
 
 def test_parse_tool_call() -> None:
