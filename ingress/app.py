@@ -19,6 +19,7 @@ from ingress.quota import QuotaGate
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
+from ingress.structured import preload_schema_compiler
 from ingress.tokenizer import tokenizer_for
 from queue_schemas.clients import producer_options, redis_client, with_backoff
 from queue_schemas.model_store import ModelStore
@@ -30,6 +31,8 @@ def create_app(settings: IngressSettings) -> FastAPI:
     pools = settings.load_pools()
     store = ModelStore(settings.model_cache_dir)
     tokenizers = {pool.name: tokenizer_for(pool, store) for pool in pools.pools}
+    if any(pool.engine == "vllm" for pool in pools.pools) and not preload_schema_compiler():
+        log.warning("vLLM's schema compiler is not installed; refused schemas show up as engine errors")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -146,6 +146,15 @@ def plan_output(
     return OutputPlan(None, None, definitions)
 
 
+def preload_schema_compiler() -> bool:
+    """Import the engine's schema compiler now (it takes seconds), not on the first request that needs it."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def xgrammar_check(schema_json: str) -> str | None:
     """The guided-decoding compiler vLLM uses: why it refuses the schema, or None. Where the engine's
     compiler is not installed beside the ingress, the engine reports a refused schema as an error event."""
