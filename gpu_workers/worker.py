@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,6 +22,13 @@ from gpu_workers.engine import Engine, EngineError
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.settings import WorkerSettings
+from gpu_workers.starting import (
+    BEGIN_SCRIPT,
+    FAILED_HEARTBEAT_TTL_MS,
+    STARTED_MARK_TTL_MS,
+    process_started_at,
+    start_refusal,
+)
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
@@ -32,7 +37,6 @@ from queue_schemas.messages import (
     FinalChunk,
     Heartbeat,
     InferenceRequest,
-    ReplyMode,
     WorkerState,
 )
 from queue_schemas.quota import settle
@@ -41,44 +45,7 @@ from queue_schemas.state import follow_channel, publish_heartbeat
 log = structlog.get_logger("sluice.worker")
 
 INBOX_FIELD = b"m"
-
-
-# KEYS: cancelled mark, placement record, started mark. ARGV: this worker's id, mark ttl ms.
-# Marks the request started unless it was cancelled, or re-placed on another worker while this one was
-# presumed dead (the dispatcher's recovery moves only requests without a started mark).
-BEGIN_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 'cancelled' end
-local owner = redis.call('GET', KEYS[2])
-if owner and owner ~= ARGV[1] then return 'moved' end
-redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
-return 'ok'
-"""
-STARTED_MARK_TTL_MS = 24 * 3600 * 1000
 KV_PUBLISH_INTERVAL_S = 0.05
-FAILED_HEARTBEAT_TTL_MS = 60_000  # a failed worker's last heartbeat stays readable for ops this long
-
-
-def process_started_at() -> float:
-    """When this process started (epoch seconds), so a replica's measured start-up includes its imports."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
-def start_refusal(request: InferenceRequest, now: float) -> tuple[str, str] | None:
-    """Why a request taken from the inbox must not start: (error code, message), or None to run it."""
-    if request.reply is not ReplyMode.STREAM:
-        return ErrorCode.BAD_REQUEST, "reply mode kafka is not served by this worker"
-    if now > request.start_deadline():
-        return ErrorCode.TIMEOUT, "no engine could start the request before its queue deadline"
-    return None
 
 
 class Worker:

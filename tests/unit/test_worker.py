@@ -1,6 +1,6 @@
 import time
 
-from gpu_workers.worker import process_started_at, start_refusal
+from gpu_workers.starting import process_started_at, start_refusal
 from queue_schemas.messages import InferenceRequest, ReplyMode, SamplingParams
 
 
