@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,6 +48,15 @@ class ObjectEntry:
 class S3Location:
     bucket: str
     prefix: str
+
+    @property
+    def key_prefix(self) -> str:
+        """What the keys of the source's objects start with ("" for a whole bucket)."""
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def file_name(self, key: str) -> str:
+        """An object's path inside the model folder."""
+        return key[len(self.key_prefix) :]
 
 
 def parse_s3(source: str) -> S3Location | None:
@@ -182,14 +191,13 @@ class ModelStore:
         from botocore.exceptions import BotoCoreError, ClientError
 
         client = self._s3_factory()
-        prefix = f"{location.prefix}/" if location.prefix else ""
         entries: list[ObjectEntry] = []
         try:
             for page in client.get_paginator("list_objects_v2").paginate(
-                Bucket=location.bucket, Prefix=prefix
+                Bucket=location.bucket, Prefix=location.key_prefix
             ):
                 for obj in page.get("Contents", []):
-                    name = obj["Key"][len(prefix) :]
+                    name = location.file_name(obj["Key"])
                     if not name or name.endswith("/") or (only is not None and name not in only):
                         continue
                     entries.append(ObjectEntry(obj["Key"], int(obj["Size"]), str(obj["ETag"])))
@@ -203,18 +211,17 @@ class ModelStore:
 
     def _download(self, location: S3Location, listing: list[ObjectEntry], dest: Path) -> None:
         client = self._s3_factory()
-        prefix = f"{location.prefix}/" if location.prefix else ""
         staging = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
         try:
             for entry in listing:
-                target = staging / entry.key[len(prefix) :]
+                target = staging / location.file_name(entry.key)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with target.open("wb") as fh:
                     _copy_body(client.get_object(Bucket=location.bucket, Key=entry.key)["Body"], fh)
                 problem = verify(target, entry)
                 if problem is not None:
                     raise ModelSourceError(f"corrupt download from s3://{location.bucket}/{problem}")
-            (staging / COMPLETE_MARK).write_text(json.dumps({"objects": [_entry_dict(e) for e in listing]}))
+            (staging / COMPLETE_MARK).write_text(json.dumps({"objects": [asdict(e) for e in listing]}))
             if dest.exists():
                 shutil.rmtree(dest)
             os.replace(staging, dest)
@@ -222,13 +229,8 @@ class ModelStore:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _entry_dict(entry: ObjectEntry) -> dict[str, object]:
-    return {"key": entry.key, "size": entry.size, "etag": entry.etag}
-
-
 def verify_size(folder: Path, entry: ObjectEntry, location: S3Location) -> bool:
-    prefix = f"{location.prefix}/" if location.prefix else ""
-    path = folder / entry.key[len(prefix) :]
+    path = folder / location.file_name(entry.key)
     return path.is_file() and path.stat().st_size == entry.size
 
 
