@@ -24,10 +24,11 @@ from langchain_openai import ChatOpenAI
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from pydantic import BaseModel, Field, SecretStr
 
+from gpu_workers.kv_publisher import KvMirror
 from ingress.openai_types import ChatMessage
 from ingress.tokenizer import HFTokenizer
 from queue_schemas.codec import decode
-from queue_schemas.messages import KvEvent, KvEventKind
+from queue_schemas.messages import KvEvent
 from queue_schemas.names import Names
 from queue_schemas.prefix import block_hashes
 
@@ -192,17 +193,12 @@ async def _indexed_blocks(redis_url: str, worker_id: str) -> set[str]:
     """Blocks the worker's KV event stream says it holds, replayed from the start."""
     redis = aioredis.Redis.from_url(redis_url)
     try:
-        held: set[str] = set()
+        mirror = KvMirror()
         for _, fields in await redis.xrange(Names().kv_index(worker_id), "-", "+") or []:
             assert fields is not None
             event = decode(KvEvent, fields[b"m"])
-            if event.kind is KvEventKind.STORED:
-                held.update(event.block_hashes)
-            elif event.kind is KvEventKind.REMOVED:
-                held.difference_update(event.block_hashes)
-            else:
-                held.clear()
-        return held
+            mirror.apply(event.kind, event.block_hashes)
+        return mirror.blocks
     finally:
         await redis.aclose()
 

@@ -11,9 +11,17 @@ from redis.asyncio.client import PubSub
 from gpu_workers.simulated import reply_text
 from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig
-from queue_schemas.messages import ErrorChunk, FinalChunk, Heartbeat, StreamEvent, TokenChunk, WorkerState
+from queue_schemas.messages import (
+    ErrorChunk,
+    FinalChunk,
+    Heartbeat,
+    InferenceRequest,
+    StreamEvent,
+    TokenChunk,
+    WorkerState,
+)
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import make_request, pipeline
+from tests.integration.helpers import Pipeline, make_request, pipeline
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -37,13 +45,18 @@ async def collect_events(
     return events
 
 
+async def send_and_collect(p: Pipeline, req: InferenceRequest) -> list[StreamEvent]:
+    """Produce one request to the pool's topic and gather its stream events until the terminal one."""
+    async with p.redis.pubsub() as pubsub:
+        await pubsub.subscribe(p.settings.names.stream_channel(req.request_id))
+        await p.producer.send_and_wait(p.settings.names.requests_topic(req.pool), encode(req), key=b"k")
+        return await collect_events(pubsub)
+
+
 async def test_request_is_placed_and_streamed_back(bus: Bus) -> None:
     async with pipeline(bus) as p:
         req = make_request("sim", "req-stream-0001", max_tokens=12)
-        async with p.redis.pubsub() as pubsub:
-            await pubsub.subscribe(p.settings.names.stream_channel(req.request_id))
-            await p.producer.send_and_wait(p.settings.names.requests_topic("sim"), encode(req), key=b"k")
-            events = await collect_events(pubsub)
+        events = await send_and_collect(p, req)
         final = events[-1]
         assert isinstance(final, FinalChunk), events
         text = "".join(e.text for e in events if isinstance(e, TokenChunk | FinalChunk))
@@ -102,12 +115,8 @@ async def test_a_redelivered_request_is_placed_once(bus: Bus) -> None:
 
 async def test_expired_request_gets_a_timeout_error(bus: Bus) -> None:
     async with pipeline(bus) as p:
-        names = p.settings.names
         req = make_request("sim", "req-expired-00001", deadline_s=-1)
-        async with p.redis.pubsub() as pubsub:
-            await pubsub.subscribe(names.stream_channel(req.request_id))
-            await p.producer.send_and_wait(names.requests_topic("sim"), encode(req), key=b"k")
-            events = await collect_events(pubsub)
+        events = await send_and_collect(p, req)
         assert len(events) == 1
         assert isinstance(events[0], ErrorChunk)
         assert events[0].code == "timeout"
@@ -117,10 +126,7 @@ async def test_a_dead_engine_ends_the_request_and_fails_the_worker(bus: Bus) -> 
     engine = SimulatedEngineConfig(ttft_ms=5, token_ms=5, die_after_tokens=4)
     async with pipeline(bus, engine=engine) as p:
         req = make_request("sim", "req-dead-engine01", max_tokens=40)
-        async with p.redis.pubsub() as pubsub:
-            await pubsub.subscribe(p.settings.names.stream_channel(req.request_id))
-            await p.producer.send_and_wait(p.settings.names.requests_topic("sim"), encode(req), key=b"k")
-            events = await collect_events(pubsub)
+        events = await send_and_collect(p, req)
         error = events[-1]
         assert isinstance(error, ErrorChunk), events
         assert error.code == "engine_error"
