@@ -90,11 +90,11 @@ async def _concurrently(concurrency: int, rounds: int, one: Callable[[int], Awai
 
 async def direct(source: Path, levels: list[int], rounds: int) -> dict[int, Run]:
     from gpu_workers.vllm_engine import VllmEngine
-    from ingress.openai_types import ChatMessage
-    from ingress.tokenizer import HFTokenizer
     from queue_schemas.config import parse_config
     from queue_schemas.messages import InferenceRequest, SamplingParams
     from queue_schemas.model_store import ModelStore
+    from queue_schemas.openai_types import ChatMessage
+    from queue_schemas.tokenizer import HFTokenizer
 
     pool = parse_config(CONFIG.format(model=MODEL, source=source)).pools[0]
     tok = HFTokenizer(source)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ingress.errors import ApiError, AuthenticationFailed, ServiceUnavailable
+from queue_schemas.api_errors import ApiError, AuthenticationFailed, ServiceUnavailable
 from queue_schemas.keys import TeamKey, hash_api_key
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, TeamRecord

@@ -12,18 +12,18 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from ingress.admission import partition_key
 from ingress.auth import Authenticator
-from ingress.errors import ServiceUnavailable
 from ingress.pool_gate import PoolGate
 from ingress.quota import QuotaGate
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
-from ingress.tokenizer import PromptTokenizer
+from queue_schemas.admission import partition_key
+from queue_schemas.api_errors import ServiceUnavailable
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import CancelNotice, InferenceRequest
 from queue_schemas.quota import settle
+from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.ingress")
 

@@ -12,7 +12,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ingress.errors import ApiError, InsufficientQuota, RateLimited, ServiceUnavailable
+from queue_schemas.api_errors import ApiError, InsufficientQuota, RateLimited, ServiceUnavailable
 from queue_schemas.names import Names
 from queue_schemas.quota import (
     RESERVE_SCRIPT,

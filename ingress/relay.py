@@ -12,10 +12,8 @@ from typing import Any
 
 import orjson
 
-from ingress.errors import from_bus_error
-from ingress.openai_types import ResponseShape, tool_call_body
 from ingress.streams import HubDisconnected, Subscription
-from ingress.structured import ToolCallPlan, parse_tool_call
+from queue_schemas.api_errors import from_bus_error
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
@@ -26,6 +24,8 @@ from queue_schemas.messages import (
     StreamEvent,
     TokenChunk,
 )
+from queue_schemas.openai_types import ResponseShape, tool_call_body
+from queue_schemas.structured import ToolCallPlan, parse_tool_call
 
 
 async def events(sub: Subscription, request: InferenceRequest) -> AsyncIterator[StreamEvent]:

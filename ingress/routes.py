@@ -13,30 +13,30 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
-from ingress import admission, relay
+from ingress import relay
 from ingress.auth import Caller
 from ingress.context import IngressContext
-from ingress.errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from ingress.metrics import ACTIVE_STREAMS, REJECTIONS, REQUESTS, TTFT
-from ingress.openai_types import (
+from ingress.streams import HubDisconnected, Subscription
+from queue_schemas import admission
+from queue_schemas.admission import parse_body
+from queue_schemas.api_errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from queue_schemas.config import PoolConfig
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest
+from queue_schemas.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     GenerationFields,
     ResponseShape,
 )
-from ingress.streams import HubDisconnected, Subscription
-from ingress.structured import OutputPlan, plan_output, xgrammar_check
-from queue_schemas.config import PoolConfig
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest
+from queue_schemas.structured import OutputPlan, plan_output, xgrammar_check
 
 log = structlog.get_logger("sluice.ingress")
 router = APIRouter()
-B = TypeVar("B", bound=BaseModel)
 
 
 def get_context(request: Request) -> IngressContext:
@@ -105,36 +105,6 @@ async def read_json_body(request: Request, limit: int) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from None
-
-
-def parse_body(model: type[B], body: Any) -> B:
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    if body.get("stream_options") is not None and body.get("stream") is not True:
-        raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = most_specific(exc)
-        param = ".".join(str(p) for p in err["loc"] if not is_union_tag(p)) or None
-        if err["type"] == "extra_forbidden":
-            raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
-        if param in ("n", "best_of"):
-            raise InvalidRequest(f"Only {param}=1 is supported.", param=param) from None
-        if param == "echo":
-            raise InvalidRequest("echo is not supported.", param=param) from None
-        raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}", param=param) from None
-
-
-def is_union_tag(part: int | str) -> bool:
-    """pydantic puts the failed union member in `loc` ('str', 'list[str]'); clients know only the field."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "none"})
-
-
-def most_specific(exc: ValidationError) -> ErrorDetails:
-    """Of a union's failures, the one that is not merely 'wrong type' says what is wrong."""
-    errors = exc.errors()
-    return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
 
 
 def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:

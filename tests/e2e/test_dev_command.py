@@ -25,12 +25,12 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from pydantic import BaseModel, Field, SecretStr
 
 from gpu_workers.kv_publisher import KvMirror
-from ingress.openai_types import ChatMessage
-from ingress.tokenizer import HFTokenizer
 from queue_schemas.codec import decode
 from queue_schemas.messages import KvEvent
 from queue_schemas.names import Names
+from queue_schemas.openai_types import ChatMessage
 from queue_schemas.prefix import block_hashes
+from queue_schemas.tokenizer import HFTokenizer
 
 MODEL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(600)]

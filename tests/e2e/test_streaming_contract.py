@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 
 from gpu_workers.simulated import reply_text
 from infra.devstack import Endpoints
-from ingress.openai_types import ChatMessage
-from ingress.tokenizer import ByteTokenizer
 from queue_schemas.messages import InferenceRequest, SamplingParams
+from queue_schemas.openai_types import ChatMessage
+from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import day_used, heartbeat, openai_client, team_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]

@@ -12,8 +12,8 @@ from jsonschema import validate
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from infra.devstack import Endpoints
-from ingress.openai_types import ChatMessage
-from ingress.tokenizer import ByteTokenizer
+from queue_schemas.openai_types import ChatMessage
+from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import openai_client
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]

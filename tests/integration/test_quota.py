@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from ingress.errors import InsufficientQuota, RateLimited
 from ingress.quota import QuotaGate
+from queue_schemas.api_errors import InsufficientQuota, RateLimited
 from queue_schemas.clients import redis_client
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, settle, utc_day

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from jsonschema import validate
 
 from gpu_workers.json_sample import UnsupportedSchema, sample
-from ingress.errors import InvalidRequest
-from ingress.openai_types import ChatCompletionRequest, ResponseShape
 from ingress.relay import SseFormatter
-from ingress.structured import ToolCallPlan, parse_tool_call, plan_output, xgrammar_check
+from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.messages import FinalChunk, FinishReason, TokenChunk, Usage
+from queue_schemas.openai_types import ChatCompletionRequest, ResponseShape
+from queue_schemas.structured import ToolCallPlan, parse_tool_call, plan_output, xgrammar_check
 
 WEATHER = {
     "type": "function",

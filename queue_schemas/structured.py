@@ -15,15 +15,15 @@ from typing import Any
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
-from ingress.errors import InvalidRequest
-from ingress.openai_types import (
+from queue_schemas.api_errors import InvalidRequest
+from queue_schemas.messages import StructuredOutput
+from queue_schemas.openai_types import (
     ChatCompletionRequest,
     JsonObjectFormat,
     JsonSchemaResponseFormat,
     NamedToolChoice,
     Tool,
 )
-from queue_schemas.messages import StructuredOutput
 
 # Returns why the engine cannot compile a schema (serialized), or None when it can.
 CompileCheck = Callable[[str], str | None]

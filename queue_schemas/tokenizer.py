@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ingress.errors import InvalidRequest
-from ingress.openai_types import ChatMessage
+from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.config import PoolConfig
 from queue_schemas.model_store import TOKENIZER_FILES, ModelSourceError, ModelStore
+from queue_schemas.openai_types import ChatMessage
 
 ToolDefinitions = Sequence[dict[str, Any]]
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import secrets
+from typing import Any, TypeVar
 
-from ingress.errors import InvalidRequest
-from ingress.openai_types import GenerationFields
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.config import PoolConfig
 from queue_schemas.keys import TeamKey
 from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
+from queue_schemas.openai_types import GenerationFields
 from queue_schemas.prefix import block_hashes
+
+B = TypeVar("B", bound=BaseModel)
 
 
 def new_request_id() -> str:
@@ -84,3 +90,33 @@ def reserved_tokens(request: InferenceRequest) -> int:
 def partition_key(request: InferenceRequest) -> bytes:
     """Requests sharing a first block share a partition, so one prefix family meets one dispatcher."""
     return (request.block_hashes[0] if request.block_hashes else request.request_id).encode()
+
+
+def parse_body(model: type[B], body: Any) -> B:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = most_specific(exc)
+        param = ".".join(str(p) for p in err["loc"] if not is_union_tag(p)) or None
+        if err["type"] == "extra_forbidden":
+            raise InvalidRequest(f"Unrecognized request argument supplied: {param}", param=param) from None
+        if param in ("n", "best_of"):
+            raise InvalidRequest(f"Only {param}=1 is supported.", param=param) from None
+        if param == "echo":
+            raise InvalidRequest("echo is not supported.", param=param) from None
+        raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}", param=param) from None
+
+
+def is_union_tag(part: int | str) -> bool:
+    """pydantic puts the failed union member in `loc` ('str', 'list[str]'); clients know only the field."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "none"})
+
+
+def most_specific(exc: ValidationError) -> ErrorDetails:
+    """Of a union's failures, the one that is not merely 'wrong type' says what is wrong."""
+    errors = exc.errors()
+    return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
