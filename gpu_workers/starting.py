@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from queue_schemas.errors import ErrorCode
-from queue_schemas.messages import InferenceRequest, ReplyMode
+from queue_schemas.messages import InferenceRequest
 
 # KEYS: cancelled mark, placement record, started mark. ARGV: this worker's id, mark ttl ms.
 # Marks the request started unless it was cancelled, or re-placed on another worker while this one was
@@ -43,8 +43,6 @@ def process_started_at() -> float:
 
 def start_refusal(request: InferenceRequest, now: float) -> tuple[str, str] | None:
     """Why a request taken from the inbox must not start: (error code, message), or None to run it."""
-    if request.reply is not ReplyMode.STREAM:
-        return ErrorCode.BAD_REQUEST, "reply mode kafka is not served by this worker"
     if now > request.start_deadline():
         return ErrorCode.TIMEOUT, "no engine could start the request before its queue deadline"
     return None

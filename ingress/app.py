@@ -14,13 +14,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ingress.auth import Authenticator
 from ingress.context import IngressContext
 from ingress.pool_gate import PoolGate
-from ingress.quota import QuotaGate
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from queue_schemas.api_errors import ApiError, MethodNotAllowed, NotFound
 from queue_schemas.clients import producer_options, redis_client, with_backoff
 from queue_schemas.model_store import ModelStore
+from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.structured import preload_schema_compiler
 from queue_schemas.tokenizer import tokenizer_for
 

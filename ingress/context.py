@@ -14,7 +14,6 @@ from redis.exceptions import RedisError
 
 from ingress.auth import Authenticator
 from ingress.pool_gate import PoolGate
-from ingress.quota import QuotaGate
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from queue_schemas.admission import partition_key
@@ -23,6 +22,7 @@ from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import CancelNotice, InferenceRequest
 from queue_schemas.quota import settle
+from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.ingress")

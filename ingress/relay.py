@@ -19,13 +19,12 @@ from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,
-    FinishReason,
     InferenceRequest,
     StreamEvent,
     TokenChunk,
 )
-from queue_schemas.openai_types import ResponseShape, tool_call_body
-from queue_schemas.structured import ToolCallPlan, parse_tool_call
+from queue_schemas.openai_types import ResponseShape
+from queue_schemas.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
 
 
 async def events(sub: Subscription, request: InferenceRequest) -> AsyncIterator[StreamEvent]:
@@ -73,11 +72,6 @@ def _error(request: InferenceRequest, seq: int, code: str, message: str) -> Erro
 
 def _dump(body: dict[str, Any]) -> str:
     return orjson.dumps(body).decode()
-
-
-def tool_finish(reason: FinishReason, called: bool) -> FinishReason:
-    """A call the engine completed ends with `tool_calls`; a truncated one keeps `length`."""
-    return FinishReason.TOOL_CALLS if called and reason is FinishReason.STOP else reason
 
 
 @dataclass
@@ -145,10 +139,5 @@ async def collect(
             raise from_bus_error(event.code, event.message)
         parts.append(event.text)
         if isinstance(event, FinalChunk):
-            text = "".join(parts)
-            call = parse_tool_call(text, tool) if tool is not None else None
-            if tool is not None and isinstance(call, tuple):
-                body = tool_call_body(tool.call_id, call[0], call[1])
-                return shape.complete_tool_call(body, tool_finish(event.finish_reason, True), event.usage)
-            return shape.complete(call if isinstance(call, str) else text, event.finish_reason, event.usage)
+            return completion_body(shape, "".join(parts), event.finish_reason, event.usage, tool)
     raise AssertionError("events() always ends with a terminal chunk")

@@ -6,8 +6,8 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 import structlog
 from fastapi import APIRouter, Depends, Request
@@ -34,6 +34,7 @@ from queue_schemas.openai_types import (
     ResponseShape,
 )
 from queue_schemas.structured import OutputPlan, plan_output, xgrammar_check
+from queue_schemas.tokenizer import encode_off_loop
 
 log = structlog.get_logger("sluice.ingress")
 router = APIRouter()
@@ -118,16 +119,7 @@ def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
     return pool
 
 
-INLINE_TOKENIZE_BYTES = 16 * 1024
 NO_PLAN = OutputPlan()
-T = TypeVar("T")
-
-
-async def tokenize(encode: Callable[[T], list[int]], what: T, body_bytes: int) -> list[int]:
-    """Small prompts are tokenized inline; large ones in a thread, so the event loop keeps relaying."""
-    if body_bytes <= INLINE_TOKENIZE_BYTES:
-        return encode(what)
-    return await asyncio.to_thread(encode, what)
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
@@ -141,7 +133,7 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
     def encode(messages: list[ChatMessage]) -> list[int]:
         return tokenizer.encode_chat(messages, plan.tools)
 
-    prompt_ids = await tokenize(encode, body.messages, len(await request.body()))
+    prompt_ids = await encode_off_loop(encode, body.messages, len(await request.body()))
     return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
 
 
@@ -150,7 +142,7 @@ async def completions(request: Request, ctx: Context, team: Team) -> Response:
     body = parse_body(CompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
     pool = resolve_pool(ctx, team, body.model)
     encode = ctx.tokenizers[pool.name].encode_text
-    prompt_ids = await tokenize(encode, body.prompt_text(), len(await request.body()))
+    prompt_ids = await encode_off_loop(encode, body.prompt_text(), len(await request.body()))
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty.", param="prompt")
     return await serve(ctx, team, pool, body, prompt_ids, "text")
@@ -167,7 +159,7 @@ async def serve(
 ) -> Response:
     """Admit (pool and quota), queue, then relay: the steps both completion endpoints share."""
     inference = admission.build_request(
-        body, pool, team.key, prompt_ids,
+        body, pool, team.key.team, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
         structured=plan.structured,
     )  # fmt: skip

@@ -10,7 +10,6 @@ from pydantic_core import ErrorDetails
 
 from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.config import PoolConfig
-from queue_schemas.keys import TeamKey
 from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
 from queue_schemas.openai_types import GenerationFields
 from queue_schemas.prefix import block_hashes
@@ -49,7 +48,7 @@ def completion_tokens_allowed(body: GenerationFields, pool: PoolConfig, prompt_t
 def build_request(
     body: GenerationFields,
     pool: PoolConfig,
-    team: TeamKey,
+    team: str,
     prompt_token_ids: list[int],
     *,
     request_id: str,
@@ -72,7 +71,7 @@ def build_request(
         request_id=request_id,
         pool=pool.name,
         model=pool.model,
-        team=team.team,
+        team=team,
         prompt_token_ids=tuple(prompt_token_ids),
         block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size)),
         sampling=sampling,

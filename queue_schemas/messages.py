@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION: Literal[1] = 1
 
@@ -32,7 +32,7 @@ class Priority(StrEnum):
 
 class ReplyMode(StrEnum):
     STREAM = "stream"  # token chunks over the Redis channel stream:<request_id>
-    KAFKA = "kafka"  # one InferenceResult on reply_topic
+    KAFKA = "kafka"  # one BatchAnswer (queue_schemas.batch) on reply_topic
 
 
 class FinishReason(StrEnum):
@@ -70,6 +70,19 @@ class SamplingParams(BaseModel):
     structured: StructuredOutput | None = None
 
 
+class BatchTicket(BaseModel):
+    """What the worker needs to answer a batch request on Kafka, decided when the dispatcher admitted it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: str = Field(description="the submitter's request id")
+    custom_id: str | None = None
+    kind: Literal["chat", "text"] = "chat"
+    call_id: str | None = Field(default=None, description="set when the answer is a tool call")
+    function: str | None = Field(default=None, description="the function a forced tool call names")
+    auto: bool = False
+
+
 class InferenceRequest(Message):
     """One admitted request, produced to requests.<pool> (or batch.<pool>)."""
 
@@ -83,11 +96,18 @@ class InferenceRequest(Message):
     priority: Priority = Priority.INTERACTIVE
     reply: ReplyMode = ReplyMode.STREAM
     reply_topic: str | None = None
+    batch: BatchTicket | None = Field(default=None, description="how to answer, for reply mode kafka")
     created_at: float = Field(description="epoch seconds when ingress admitted the request")
     start_by: float | None = Field(
         default=None, description="epoch seconds by which an engine must have started it; else it times out"
     )
     deadline: float = Field(description="epoch seconds after which the request is abandoned")
+
+    @model_validator(mode="after")
+    def _kafka_reply_needs_ticket(self) -> InferenceRequest:
+        if self.reply is ReplyMode.KAFKA and (self.batch is None or not self.reply_topic):
+            raise ValueError("reply mode kafka needs a reply_topic and a batch ticket")
+        return self
 
     def start_deadline(self) -> float:
         return self.deadline if self.start_by is None else min(self.start_by, self.deadline)
@@ -186,19 +206,6 @@ class ErrorInfo(BaseModel):
 
     code: str
     message: str
-
-
-class InferenceResult(Message):
-    """The complete answer to a request whose reply mode is Kafka."""
-
-    request_id: RequestId
-    team: Name
-    pool: Name
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    error: ErrorInfo | None = None
-    completed_at: float
 
 
 class DeadLetter(Message):

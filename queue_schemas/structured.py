@@ -16,13 +16,15 @@ from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
 from queue_schemas.api_errors import InvalidRequest
-from queue_schemas.messages import StructuredOutput
+from queue_schemas.messages import FinishReason, StructuredOutput, Usage
 from queue_schemas.openai_types import (
     ChatCompletionRequest,
     JsonObjectFormat,
     JsonSchemaResponseFormat,
     NamedToolChoice,
+    ResponseShape,
     Tool,
+    tool_call_body,
 )
 
 # Returns why the engine cannot compile a schema (serialized), or None when it can.
@@ -186,3 +188,19 @@ def parse_tool_call(text: str, plan: ToolCallPlan) -> tuple[str, str] | str | No
     if not isinstance(value.get("name"), str) or "arguments" not in value:
         return None
     return value["name"], json.dumps(value["arguments"], separators=(",", ":"))
+
+
+def tool_finish(reason: FinishReason, called: bool) -> FinishReason:
+    """A call the engine completed ends with `tool_calls`; a truncated one keeps `length`."""
+    return FinishReason.TOOL_CALLS if called and reason is FinishReason.STOP else reason
+
+
+def completion_body(
+    shape: ResponseShape, text: str, finish_reason: FinishReason, usage: Usage, tool: ToolCallPlan | None
+) -> dict[str, Any]:
+    """The whole (non-streamed) completion for the engine's output: text, or the tool call it makes."""
+    call = parse_tool_call(text, tool) if tool is not None else None
+    if tool is not None and isinstance(call, tuple):
+        body = tool_call_body(tool.call_id, call[0], call[1])
+        return shape.complete_tool_call(body, tool_finish(finish_reason, True), usage)
+    return shape.complete(call if isinstance(call, str) else text, finish_reason, usage)

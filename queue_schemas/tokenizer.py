@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.config import PoolConfig
@@ -108,3 +109,14 @@ def tokenizer_for(pool: PoolConfig, store: ModelStore) -> PromptTokenizer:
     except ModelSourceError as exc:
         raise ValueError(f"pool {pool.name}: tokenizer not available: {exc}") from None
     return HFTokenizer(folder)
+
+
+INLINE_TOKENIZE_BYTES = 16 * 1024
+T = TypeVar("T")
+
+
+async def encode_off_loop(encode: Callable[[T], list[int]], what: T, body_bytes: int) -> list[int]:
+    """Small prompts are tokenized inline; large ones in a thread, so the event loop keeps relaying."""
+    if body_bytes <= INLINE_TOKENIZE_BYTES:
+        return encode(what)
+    return await asyncio.to_thread(encode, what)

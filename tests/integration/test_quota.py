@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from ingress.quota import QuotaGate
 from queue_schemas.api_errors import InsufficientQuota, RateLimited
 from queue_schemas.clients import redis_client
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, settle, utc_day
+from queue_schemas.quota_gate import QuotaGate
 from tests.conftest import Bus
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]

@@ -3,12 +3,11 @@ import pytest
 from queue_schemas.admission import build_request, partition_key
 from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.config import PoolConfig
-from queue_schemas.keys import TeamKey
 from queue_schemas.openai_types import ChatCompletionRequest
 from queue_schemas.tokenizer import ByteTokenizer
 
 POOL = PoolConfig(name="sim", model="sluice-sim", context_tokens=200, default_max_tokens=50, block_size=16)
-TEAM = TeamKey(team="dev", key_id="sk-x", created_at=0.0)
+TEAM = "dev"
 
 
 def chat(**fields: object) -> ChatCompletionRequest:
