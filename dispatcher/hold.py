@@ -20,11 +20,13 @@ PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.BATCH)
 @dataclass(eq=False)
 class Held:
     request: InferenceRequest
-    partition: int | None  # Kafka partition it came from; None for requests moved off a lost worker
+    partition: tuple[str, int] | None  # (topic, partition) it came from; None if moved off a lost worker
     offset: int | None
     arrived: float
     moved_from: str | None = None
     order: int = field(default=0)
+    not_before: float = 0.0  # epoch seconds; a rate-limited batch request waits until then
+    reserved: bool = False  # its quota is reserved (batch requests reserve when a worker is found)
 
     @property
     def cost(self) -> int:
@@ -45,6 +47,10 @@ class Hold:
     @property
     def full(self) -> bool:
         return len(self._by_id) >= self.capacity
+
+    def full_for(self, priority: Priority, capacity: int) -> bool:
+        """Whether one class holds `capacity` requests or more (a batch flood has its own bound)."""
+        return self.size(priority) >= capacity
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
@@ -96,7 +102,7 @@ class Hold:
     def expired(self, now: float) -> list[Held]:
         return [h for h in self._by_id.values() if now > h.request.start_deadline()]
 
-    def from_partitions(self, partitions: set[int]) -> list[Held]:
+    def from_partitions(self, partitions: set[tuple[str, int]]) -> list[Held]:
         return [h for h in self._by_id.values() if h.partition in partitions]
 
     def all(self) -> list[Held]:

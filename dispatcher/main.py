@@ -20,14 +20,18 @@ from queue_schemas.clients import (
     with_backoff,
 )
 from queue_schemas.config import ConfigError
+from queue_schemas.model_store import ModelStore
+from queue_schemas.tokenizer import tokenizer_for
 
 
 async def serve(settings: DispatcherSettings) -> None:
     try:
-        settings.load_pools().pool(settings.pool)
+        pool = settings.load_pools().pool(settings.pool)
+        # Batch submissions without token ids are tokenized here, as ingress does for HTTP requests.
+        tokenizer = await asyncio.to_thread(tokenizer_for, pool, ModelStore(settings.model_cache_dir))
     except KeyError as exc:
         raise SystemExit(f"sluice dispatcher: {exc.args[0]}") from None
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         raise SystemExit(f"sluice dispatcher: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -43,7 +47,7 @@ async def serve(settings: DispatcherSettings) -> None:
     )
     await with_backoff(producer.start, "kafka producer start", attempts=settings.connect_attempts)
     try:
-        await Dispatcher(settings, redis, consumer, producer).run(stop)
+        await Dispatcher(settings, redis, consumer, producer, tokenizer).run(stop)
     finally:
         await consumer.stop()
         await producer.stop()

@@ -7,27 +7,32 @@ so a restart redelivers every record that was not finished and none that was.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
-class OffsetTracker:
+P = TypeVar("P", bound=Hashable)  # a partition: its number, or (topic, number) for several topics
+
+
+class OffsetTracker(Generic[P]):
     def __init__(self) -> None:
-        self._open: dict[int, set[int]] = {}
-        self._next: dict[int, int] = {}
-        self._committed: dict[int, int] = {}
+        self._open: dict[P, set[int]] = {}
+        self._next: dict[P, int] = {}
+        self._committed: dict[P, int] = {}
 
-    def opened(self, partition: int, offset: int) -> None:
+    def opened(self, partition: P, offset: int) -> None:
         self._open.setdefault(partition, set()).add(offset)
         self._next[partition] = max(self._next.get(partition, 0), offset + 1)
 
-    def closed(self, partition: int, offset: int) -> None:
+    def closed(self, partition: P, offset: int) -> None:
         self._open.get(partition, set()).discard(offset)
 
-    def safe(self, partition: int) -> int | None:
+    def safe(self, partition: P) -> int | None:
         if partition not in self._next:
             return None
         pending = self._open.get(partition)
         return min(pending) if pending else self._next[partition]
 
-    def to_commit(self) -> dict[int, int]:
+    def to_commit(self) -> dict[P, int]:
         """Partitions whose safe offset moved since the last commit, with that offset."""
         out = {}
         for partition in self._next:
@@ -36,10 +41,10 @@ class OffsetTracker:
                 out[partition] = offset
         return out
 
-    def committed(self, offsets: dict[int, int]) -> None:
+    def committed(self, offsets: dict[P, int]) -> None:
         self._committed.update(offsets)
 
-    def forget(self, partitions: set[int]) -> None:
+    def forget(self, partitions: set[P]) -> None:
         """Partitions this consumer no longer owns (after a rebalance)."""
         for p in partitions:
             self._open.pop(p, None)

@@ -29,6 +29,7 @@ from aiokafka import (
 from redis.exceptions import RedisError
 
 from dispatcher import metrics
+from dispatcher.batch_desk import BatchDesk, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Decision, Demand, choose_least_loaded
@@ -36,23 +37,26 @@ from dispatcher.recovery import take_over
 from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
+from queue_schemas.answers import AnswerSink
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, DeadLetter, ErrorChunk, Heartbeat, InferenceRequest, Priority
 from queue_schemas.quota import settle
 from queue_schemas.state import follow_channel
+from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.dispatcher")
 
 # KEYS: placement record, cancelled mark, started mark, worker inbox.
-# ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new).
+# ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new),
+# '1' if a request that started on the lost worker may start again (batch: nobody saw its output).
 PLACE_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancelled' end
 local owner = redis.call('GET', KEYS[1])
 if ARGV[5] == '' then
   if owner then return 'duplicate' end
 else
-  if redis.call('EXISTS', KEYS[3]) == 1 then return 'started' end
+  if ARGV[6] ~= '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 'started' end
   if owner and owner ~= ARGV[5] then return 'duplicate' end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -70,6 +74,7 @@ class Dispatcher:
         redis: aioredis.Redis,
         consumer: AIOKafkaConsumer,
         producer: AIOKafkaProducer,
+        tokenizer: PromptTokenizer,
     ) -> None:
         self.settings = settings
         self.names = settings.names
@@ -78,18 +83,22 @@ class Dispatcher:
         self.producer = producer
         self.pool = settings.pool
         self.topic = self.names.requests_topic(settings.pool)
+        self.batch_topic = self.names.batch_topic(settings.pool)
+        self.answers = AnswerSink(redis, self.names, lambda: producer, started=producer)
+        pool_config = settings.load_pools().pool(settings.pool)
+        self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self._dead_letter)
         self.view = WorkerView(redis, self.names, settings.pool)
         self.hold = Hold(settings.hold_capacity)
-        self.offsets = OffsetTracker()
+        self.offsets: OffsetTracker[tuple[str, int]] = OffsetTracker()
         self.policy = settings.policy()
         self.rng = random.Random()
         self._place = redis.register_script(PLACE_SCRIPT)
         self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
-        self._paused = False
+        self._paused: set[str] = set()  # topics whose partitions are paused
         self._background: list[asyncio.Task[None]] = []
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.consumer.subscribe([self.topic], listener=_Rebalance(self))
+        self.consumer.subscribe([self.topic, self.batch_topic], listener=_Rebalance(self))
         await self.view.refresh()
         self._background = [
             asyncio.create_task(self._view_loop(stop), name="view"),
@@ -100,7 +109,7 @@ class Dispatcher:
             ),
             asyncio.create_task(report_loop(self, stop), name="report"),
         ]
-        log.info("dispatcher consuming", topic=self.topic)
+        log.info("dispatcher consuming", topics=[self.topic, self.batch_topic])
         try:
             while not stop.is_set():
                 await self._receive()
@@ -125,8 +134,17 @@ class Dispatcher:
         )
         for tp, records in batches.items():
             for record in records:
-                self.offsets.opened(tp.partition, record.offset)
-                await self._admit(record)
+                self.offsets.opened((tp.topic, tp.partition), record.offset)
+                if tp.topic == self.batch_topic:
+                    await self._admit_batch(record)
+                else:
+                    await self._admit(record)
+
+    async def _admit_batch(self, record: ConsumerRecord[Any, Any]) -> None:
+        request = await self.batch.admit(record)
+        source = (record.topic, record.partition)
+        if request is None or not self.hold.add(Held(request, source, record.offset, time.monotonic())):
+            self.offsets.closed(source, record.offset)
 
     async def _admit(self, record: ConsumerRecord[Any, Any]) -> None:
         try:
@@ -137,19 +155,22 @@ class Dispatcher:
                 )
         except SchemaError as exc:
             await self._dead_letter(record, str(exc))
-            self.offsets.closed(record.partition, record.offset)
+            self.offsets.closed((record.topic, record.partition), record.offset)
             return
-        held = Held(request, record.partition, record.offset, time.monotonic())
+        held = Held(request, (record.topic, record.partition), record.offset, time.monotonic())
         if not self.hold.add(held):
             metrics.OUTCOMES.labels(self.pool, "duplicate").inc()
-            self.offsets.closed(record.partition, record.offset)
+            self.offsets.closed((record.topic, record.partition), record.offset)
 
     # decide and act
     async def _place_held(self) -> None:
         if not len(self.hold):
             return
         misses = 0
+        now = time.time()
         for held in list(self.hold.ordered()):
+            if held.not_before > now:
+                continue
             placed = await self._try_place(held)
             misses = 0 if placed else misses + 1
             if misses >= self.settings.max_misses_per_round:
@@ -170,6 +191,11 @@ class Dispatcher:
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
         if decision.worker_id is None:
             return False
+        reserved = await self.batch.reserve(held)
+        if reserved is not Reserve.GO:
+            if reserved is Reserve.REFUSED:
+                self._finish(held)
+            return reserved is Reserve.REFUSED
         outcome = await self._record(held, decision)
         self._finish(held)
         if outcome == "placed":
@@ -208,6 +234,7 @@ class Dispatcher:
                 encode(request),
                 self.settings.inbox_max_len,
                 held.moved_from or "",
+                "1" if request.batch is not None else "",
             ],
         )
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
@@ -232,29 +259,36 @@ class Dispatcher:
         offsets = self.offsets.to_commit()
         if not offsets:
             return
-        assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.topic}
+        assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
         offsets = {p: o for p, o in offsets.items() if p in assigned}
         if offsets:
-            await self.consumer.commit({TopicPartition(self.topic, p): o for p, o in offsets.items()})
+            await self.consumer.commit({TopicPartition(*p): o for p, o in offsets.items()})
             self.offsets.committed(offsets)
 
     def _flow_control(self) -> None:
-        assigned = [tp for tp in self.consumer.assignment() if tp.topic == self.topic]
-        if not self._paused and self.hold.full:
-            self.consumer.pause(*assigned)
-            self._paused = True
-            log.warning("hold full; pausing partitions", held=len(self.hold))
-        elif self._paused and len(self.hold) <= self.hold.capacity * 3 // 4:
-            self.consumer.resume(*assigned)
-            self._paused = False
-            log.info("resuming partitions", held=len(self.hold))
-        metrics.PAUSED.labels(self.pool).set(1 if self._paused else 0)
+        """Each class has its own bound in the hold, so a batch flood never pauses interactive partitions."""
+        bounds = (
+            (self.topic, Priority.INTERACTIVE, self.settings.hold_capacity),
+            (self.batch_topic, Priority.BATCH, self.settings.batch_hold_capacity),
+        )
+        for topic, priority, capacity in bounds:
+            assigned = [tp for tp in self.consumer.assignment() if tp.topic == topic]
+            size = self.hold.size(priority)
+            if topic not in self._paused and size >= capacity:
+                self.consumer.pause(*assigned)
+                self._paused.add(topic)
+                log.warning("hold full; pausing partitions", topic=topic, held=size)
+            elif topic in self._paused and size <= capacity * 3 // 4:
+                self.consumer.resume(*assigned)
+                self._paused.discard(topic)
+                log.info("resuming partitions", topic=topic, held=size)
+        metrics.PAUSED.labels(self.pool).set(1 if self.topic in self._paused else 0)
 
     def _export_hold(self) -> None:
         for priority in Priority:
             metrics.HOLD_SIZE.labels(self.pool, priority.value).set(self.hold.size(priority))
 
-    def revoked(self, partitions: set[int]) -> None:
+    def revoked(self, partitions: set[tuple[str, int]]) -> None:
         """Partitions moved to another member: forget what was held from them; it is redelivered there."""
         for held in self.hold.from_partitions(partitions):
             self.hold.remove(held.request.request_id)
@@ -304,6 +338,9 @@ class Dispatcher:
 
     # answers
     async def _answer_error(self, request: InferenceRequest, code: str, message: str) -> None:
+        if request.batch is not None:
+            await self.batch.answer_error(request, code, message)
+            return
         chunk = ErrorChunk(request_id=request.request_id, seq=0, code=code, message=message)
         await self.redis.publish(self.names.stream_channel(request.request_id), encode(chunk))
 
@@ -335,11 +372,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         d = self._dispatcher
-        mine = {tp.partition for tp in revoked if tp.topic == d.topic}
+        mine = {(tp.topic, tp.partition) for tp in revoked}
         with contextlib.suppress(Exception):
             await d._acknowledge()  # commit what is finished while we still own the partitions
         d.revoked(mine)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        if self._dispatcher._paused:
-            self._dispatcher.consumer.pause(*assigned)
+        paused = [tp for tp in assigned if tp.topic in self._dispatcher._paused]
+        if paused:
+            self._dispatcher.consumer.pause(*paused)

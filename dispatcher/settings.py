@@ -13,6 +13,9 @@ class DispatcherSettings(BusSettings):
     view_refresh_s: float = Field(default=0.25, gt=0, description="how often worker heartbeats are re-read")
     hold_poll_s: float = Field(default=0.02, gt=0, description="retry interval while requests are held")
     hold_capacity: int = Field(default=1000, gt=0, description="requests held before partitions are paused")
+    batch_hold_capacity: int = Field(
+        default=256, gt=0, description="batch requests held before the batch partitions are paused"
+    )
     fetch_max_records: int = Field(default=256, gt=0)
     max_misses_per_round: int = Field(
         default=16, gt=0, description="held requests tried per round if none fit"

@@ -81,6 +81,9 @@ class Names:
     def placement(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
 
+    def answered(self, request_id: str) -> str:
+        return f"{self.prefix}:answered:{request_id}"
+
     def cancelled(self, request_id: str) -> str:
         return f"{self.prefix}:cancelled:{request_id}"
 

@@ -25,6 +25,11 @@ class PromptTokenizer(Protocol):
         """Token ids of a raw completion prompt."""
         ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1."""
+        ...
+
 
 def conversation(
     messages: Sequence[ChatMessage], tools: ToolDefinitions, template_tools: bool, template_calls: bool
@@ -64,6 +69,10 @@ class ByteTokenizer:
     def encode_text(self, prompt: str) -> list[int]:
         return list(prompt.encode())
 
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
 
 class HFTokenizer:
     """A model folder's own tokenizer and chat template (tokenizer.json + tokenizer_config.json)."""
@@ -97,6 +106,10 @@ class HFTokenizer:
 
     def encode_text(self, prompt: str) -> list[int]:
         return [int(i) for i in self._tok.encode(prompt, add_special_tokens=True)]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
 
 
 def tokenizer_for(pool: PoolConfig, store: ModelStore) -> PromptTokenizer:

@@ -36,6 +36,7 @@ from queue_schemas.messages import (
     TokenChunk,
 )
 from queue_schemas.settings import BusSettings
+from queue_schemas.tokenizer import ByteTokenizer
 from tests.conftest import Bus
 
 
@@ -114,7 +115,9 @@ async def pipeline(
     await producer.start()
     stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = [asyncio.create_task(w.run(stop)) for w in fleet]
-    tasks.append(asyncio.create_task(Dispatcher(settings, redis, consumer, producer).run(stop)))
+    tasks.append(
+        asyncio.create_task(Dispatcher(settings, redis, consumer, producer, ByteTokenizer()).run(stop))
+    )
     try:
         for wid in worker_ids:
             await _wait_ready(redis, names.heartbeat(pool, wid))

@@ -8,7 +8,7 @@ def held(rid: str, team: str, priority: Priority = Priority.INTERACTIVE, start_b
         sampling=SamplingParams(max_tokens=10), priority=priority, created_at=0, start_by=start_by,
         deadline=1e12,
     )  # fmt: skip
-    return Held(request, partition=0, offset=int(rid), arrived=0.0)
+    return Held(request, partition=("t", 0), offset=int(rid), arrived=0.0)
 
 
 def order(hold: Hold) -> list[str]:
@@ -60,4 +60,5 @@ def test_duplicates_capacity_removal_and_expiry() -> None:
     assert hold.remove("req-00000001") is None
     assert len(hold) == 1
     assert hold.size(Priority.INTERACTIVE) == 1
-    assert [h.offset for h in hold.from_partitions({0})] == [2]
+    assert [h.offset for h in hold.from_partitions({("t", 0)})] == [2]
+    assert hold.from_partitions({("u", 0)}) == []

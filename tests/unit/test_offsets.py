@@ -2,7 +2,7 @@ from dispatcher.offsets import OffsetTracker
 
 
 def test_commit_stops_at_the_oldest_open_record() -> None:
-    t = OffsetTracker()
+    t: OffsetTracker[int] = OffsetTracker()
     for off in (10, 11, 12):
         t.opened(0, off)
     t.closed(0, 11)
@@ -15,7 +15,7 @@ def test_commit_stops_at_the_oldest_open_record() -> None:
 
 
 def test_partitions_are_independent_and_can_be_forgotten() -> None:
-    t = OffsetTracker()
+    t: OffsetTracker[int] = OffsetTracker()
     t.opened(0, 5)
     t.opened(1, 7)
     t.closed(1, 7)
