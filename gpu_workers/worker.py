@@ -15,6 +15,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
@@ -29,6 +30,9 @@ from gpu_workers.starting import (
     process_started_at,
     start_refusal,
 )
+from queue_schemas.answers import AnswerSink
+from queue_schemas.batch import BatchAnswer, completed_answer, failed_answer
+from queue_schemas.clients import BusUnavailable, producer_options, with_backoff
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
@@ -37,6 +41,7 @@ from queue_schemas.messages import (
     FinalChunk,
     Heartbeat,
     InferenceRequest,
+    TokenChunk,
     WorkerState,
 )
 from queue_schemas.quota import settle
@@ -45,6 +50,7 @@ from queue_schemas.state import follow_channel, publish_heartbeat
 log = structlog.get_logger("sluice.worker")
 
 INBOX_FIELD = b"m"
+ANSWER_ATTEMPTS = 8
 KV_PUBLISH_INTERVAL_S = 0.05
 
 
@@ -72,6 +78,7 @@ class Worker:
         self.error: str | None = None
         self.tensor_parallel_size = 1
         self._abort_reason = (ErrorCode.CANCELLED, "the request was cancelled")
+        self.answers = AnswerSink(redis, self.names, lambda: AIOKafkaProducer(**producer_options(settings)))
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until `stop` is set (0), or until the engine fails to start or dies (1)."""
@@ -113,6 +120,7 @@ class Worker:
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(background, timeout=2.0)
             await self._retire()
+            await self.answers.close()
             await self.engine.close()
 
     async def _fail_worker(self, reason: str) -> None:
@@ -198,7 +206,7 @@ class Worker:
 
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
         """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
-        channel = self.names.stream_channel(request.request_id)
+        out = _Output(request)
         coalescer = ChunkCoalescer(
             request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
         )
@@ -216,23 +224,28 @@ class Worker:
                 if outcome == "cancelled":
                     refusal = ErrorCode.CANCELLED, "the request was cancelled before it started"
             if refusal is not None:
-                await self._fail(channel, request, coalescer, started, *refusal)
+                await self._fail(out, coalescer, started, *refusal)
             else:
-                async for out in self.engine.generate(request):
+                async for piece in self.engine.generate(request):
                     started = True
-                    chunk = coalescer.add(out, time.monotonic())
+                    chunk = coalescer.add(piece, time.monotonic())
                     if isinstance(chunk, FinalChunk):
                         await self._settle(request, chunk.usage.total_tokens)
                         self._completed.append(time.monotonic())
                     if chunk is not None:
-                        await self.redis.publish(channel, encode(chunk))
+                        await self._emit(out, chunk)
         except EngineError as exc:
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
-            await self._fail(channel, request, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
+            await self._fail(out, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
         except asyncio.CancelledError:
-            await self._fail(channel, request, coalescer, started, *self._abort_reason)
-        except RedisError as exc:
-            log.error("lost redis while streaming", request_id=request.request_id, error=str(exc))
+            if request.batch is not None and self._abort_reason[0] != ErrorCode.CANCELLED:
+                # This worker is going away; nobody has seen the output, so a dispatcher places the
+                # entry again (its quota reservation stays for whoever finishes it).
+                log.warning("batch request left for another worker", request_id=request.request_id)
+                return
+            await self._fail(out, coalescer, started, *self._abort_reason)
+        except (RedisError, BusUnavailable) as exc:
+            log.error("lost the bus while answering", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
         await self._ack(entry_id)
 
@@ -250,23 +263,38 @@ class Worker:
             log.warning("quota not settled", request_id=request.request_id, error=str(exc))
 
     async def _fail(
-        self,
-        channel: str,
-        request: InferenceRequest,
-        coalescer: ChunkCoalescer,
-        started: bool,
-        code: str,
-        message: str,
+        self, out: _Output, coalescer: ChunkCoalescer, started: bool, code: str, message: str
     ) -> None:
         """Settle what the engine really did (nothing, if it never started), then send the error chunk."""
+        request = out.request
         used = len(request.prompt_token_ids) + coalescer.completion_tokens if started else 0
         await self._settle(request, used)
         pending = coalescer.flush()
         chunk = ErrorChunk(request_id=request.request_id, seq=coalescer.seq, code=code, message=message)
+        if request.batch is not None:
+            await self._emit(out, chunk)  # a batch answer that cannot be delivered stays pending
+            return
         with contextlib.suppress(RedisError):
             if pending is not None:
-                await self.redis.publish(channel, encode(pending))
-            await self.redis.publish(channel, encode(chunk))
+                await self._emit(out, pending)
+            await self._emit(out, chunk)
+
+    async def _emit(self, out: _Output, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
+        """Stream the chunk to the client's channel; for a batch request, gather it and deliver the whole
+        answer on the reply topic at the end."""
+        request = out.request
+        if request.batch is None:
+            await self.redis.publish(self.names.stream_channel(request.request_id), encode(chunk))
+            return
+        answer = out.add(chunk)
+        if answer is not None:
+            topic = request.reply_topic
+            assert topic is not None
+            await with_backoff(
+                lambda: self.answers.deliver(topic, request.request_id, answer),
+                "delivering a batch answer",
+                attempts=ANSWER_ATTEMPTS,
+            )
 
     async def _ack(self, entry_id: bytes) -> None:
         await self.inbox.done(entry_id)
@@ -367,3 +395,20 @@ class Worker:
             if left:
                 log.warning("left unfinished entries for a dispatcher to take over", entries=left)
         log.info("worker stopped", worker=self.settings.worker_id)
+
+
+class _Output:
+    """Where a request's chunks go; a batch request's text is gathered into one answer."""
+
+    def __init__(self, request: InferenceRequest) -> None:
+        self.request = request
+        self._parts: list[str] = []
+
+    def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:
+        """The batch answer once `chunk` ends the request, else None."""
+        if isinstance(chunk, ErrorChunk):
+            return failed_answer(self.request, chunk.code, chunk.message)
+        self._parts.append(chunk.text)
+        if isinstance(chunk, FinalChunk):
+            return completed_answer(self.request, "".join(self._parts), chunk.finish_reason, chunk.usage)
+        return None

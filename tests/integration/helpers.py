@@ -88,7 +88,9 @@ async def pipeline(
     settings = bus.settings(DispatcherSettings, pool=pool, **dispatcher_overrides)
     assert isinstance(settings, DispatcherSettings)
     names = settings.names
-    await create_topics(settings, names.requests_topic(pool), names.deadletter_topic())
+    await create_topics(
+        settings, names.requests_topic(pool), names.batch_topic(pool), names.deadletter_topic()
+    )
     redis = redis_client(settings)
     engine_config = engine or SimulatedEngineConfig(ttft_ms=5, token_ms=1)
     worker_ids = [f"w{i}" for i in range(workers)]
