@@ -143,4 +143,4 @@ async def test_batch_quota_is_reserved_and_settled(bus: Bus) -> None:
         refused = [a for a in answers if a["response"]["status_code"] == 429]
         assert all(a["response"]["body"]["error"]["code"] == "insufficient_quota" for a in refused)
         day = await p.redis.keys(names.quota_day("acme", "*"))
-        assert int(await p.redis.get(day[0])) == used  # settled to the real usage
+        assert int(await p.redis.get(day[0]) or 0) == used  # settled to the real usage
