@@ -1,4 +1,4 @@
-"""The `sluice` command: run one service, the whole dev stack, or manage keys."""
+"""The `sluice` command: run one service, the whole dev stack, manage keys, or submit batches."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from rich.console import Console
 
+from infra.batch_cli import batch_app
+
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
@@ -23,6 +25,7 @@ T = TypeVar("T")
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="sluice: LLM serving through queues")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage team API keys")
 app.add_typer(keys_app, name="keys")
+app.add_typer(batch_app, name="batch")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[

@@ -149,6 +149,8 @@ class DevStack:
         await admin.start()
         try:
             topics = [NewTopic(names.requests_topic(p.name), p.partitions, 1) for p in self.config.pools]
+            topics += [NewTopic(names.batch_topic(p.name), p.partitions, 1) for p in self.config.pools]
+            topics.append(NewTopic(names.results_topic(DEV_TEAM), 4, 1))
             topics.append(NewTopic(names.deadletter_topic(), 1, 1))
             await admin.create_topics(topics)
         finally:

@@ -26,6 +26,8 @@ async def create_key(redis: aioredis.Redis, names: Names, team: str, pools: tupl
     key = new_api_key()
     record = TeamKey(team=team, key_id=key_id(key), pools=pools, created_at=time.time())
     await redis.set(names.api_key(hash_api_key(key)), record.model_dump_json())
+    # The team record is what batch submissions are checked against; a new team starts unlimited.
+    await redis.set(names.team(team), TeamRecord(team=team).model_dump_json(), nx=True)
     return key
 
 
