@@ -1,7 +1,8 @@
 """Placement decisions. Pure: the live dispatcher, the tests and the simulator call the same code.
 
 Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
-expected output after a reserve, queue under a cap; batch requests also need spare headroom), then a
+expected output after a reserve, queue under a cap; batch requests also leave spare KV blocks and
+running slots), then a
 weighted sum of clamped terms: prefix match ratio, KV headroom after placement, and queue depth relative
 to the other candidates. Ties are broken at random.
 """
@@ -90,6 +91,15 @@ def headroom_after(worker: WorkerSnapshot, needed: int) -> float:
     return (hb.kv_blocks_free - worker.in_flight_blocks - needed) / hb.kv_blocks_total
 
 
+def batch_room(worker: WorkerSnapshot, after: float, policy: PlacementPolicy) -> bool:
+    """A batch request leaves the headroom fraction of the worker's KV blocks, and of its running slots,
+    free for interactive requests."""
+    if after < policy.batch_headroom_fraction:
+        return False
+    slots = worker.heartbeat.max_running
+    return slots <= 0 or worker.load < slots * (1 - policy.batch_headroom_fraction)
+
+
 def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy) -> str | None:
     """Why the worker cannot take the request now, or None if it can."""
     if not is_eligible(worker, now):
@@ -100,7 +110,7 @@ def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: Placem
     after = headroom_after(worker, needed)
     if after < policy.kv_reserve_fraction:
         return "not enough free KV blocks"
-    if demand.priority is Priority.BATCH and after < policy.batch_headroom_fraction:
+    if demand.priority is Priority.BATCH and not batch_room(worker, after, policy):
         return "no headroom left for batch"
     return None
 

@@ -29,6 +29,7 @@ COLUMNS = (
     "block_size",
     "in_flight",
     "blocks",
+    "slots",
 )
 
 
@@ -62,6 +63,7 @@ class WorkerTable:
             "block_size": hb.block_size,
             "in_flight": in_flight,
             "blocks": in_flight_blocks,
+            "slots": hb.max_running,
         }
         for c, v in values.items():
             self._cols[c][i] = v
@@ -109,7 +111,13 @@ def choose_fast(
     full = ~stale & (queue >= policy.max_queue)
     no_kv = ~stale & ~full & (after < policy.kv_reserve_fraction)
     no_batch = ~stale & ~full & ~no_kv
-    no_batch &= (after < policy.batch_headroom_fraction) if demand.priority is Priority.BATCH else False
+    if demand.priority is Priority.BATCH:
+        slots = table.col("slots")
+        load = table.col("running") + queue
+        no_slot = (slots > 0) & (load >= slots * (1 - policy.batch_headroom_fraction))
+        no_batch &= (after < policy.batch_headroom_fraction) | no_slot
+    else:
+        no_batch &= False
     fit = ~(stale | full | no_kv | no_batch)
     if not fit.any():
         counts = Counter(

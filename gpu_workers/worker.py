@@ -356,6 +356,7 @@ class Worker:
             running=stats.running,
             waiting=stats.waiting,
             inbox_pending=inbox_pending,
+            max_running=self.max_running,
             decode_tokens_per_s=stats.decode_tokens_per_s,
             started_at=self.started_at,
             load_seconds=self.load_seconds,

@@ -177,6 +177,7 @@ class Heartbeat(Message):
     running: int = Field(ge=0)
     waiting: int = Field(ge=0)
     inbox_pending: int = Field(ge=0)
+    max_running: int = Field(default=0, ge=0, description="requests it runs at once; 0 if not stated")
     decode_tokens_per_s: float = Field(ge=0.0)
     tensor_parallel_size: int = Field(default=1, gt=0)
     spec_decoding: bool = False

@@ -28,11 +28,12 @@ def beat(
     total: int = 1000,
     state: WorkerState = WorkerState.READY,
     age: float = 0.1,
+    max_running: int = 0,
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id, pool="sim", model="m", state=state, seq=1, sent_at=NOW - age, ttl_ms=3000,
         kv_blocks_total=total, kv_blocks_free=free, block_size=16, running=running, waiting=waiting,
-        inbox_pending=0, decode_tokens_per_s=0.0, started_at=0.0,
+        inbox_pending=0, max_running=max_running, decode_tokens_per_s=0.0, started_at=0.0,
     )  # fmt: skip
 
 
@@ -73,6 +74,15 @@ def test_batch_needs_spare_headroom_interactive_does_not() -> None:
     half_full = WorkerSnapshot(beat("a", free=250, total=1000))
     assert rejection(half_full, demand(priority=Priority.INTERACTIVE), NOW, POLICY) is None
     assert rejection(half_full, demand(priority=Priority.BATCH), NOW, POLICY) == "no headroom left for batch"
+
+
+def test_batch_leaves_running_slots_for_interactive_requests() -> None:
+    """With 16 slots and a quarter kept back, batch may bring a worker's load up to 12 requests."""
+    eleven = WorkerSnapshot(beat("a", running=10, max_running=16), in_flight=1)
+    twelve = WorkerSnapshot(beat("a", running=10, max_running=16), in_flight=2)
+    assert rejection(eleven, demand(priority=Priority.BATCH), NOW, POLICY) is None
+    assert rejection(twelve, demand(priority=Priority.BATCH), NOW, POLICY) == "no headroom left for batch"
+    assert rejection(twelve, demand(priority=Priority.INTERACTIVE), NOW, POLICY) is None
 
 
 def test_prefix_term_wins_over_a_small_load_difference() -> None:

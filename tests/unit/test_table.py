@@ -32,6 +32,7 @@ worker = st.fixed_dictionaries(
         "in_flight": st.integers(0, 10),
         "in_flight_blocks": st.integers(0, 300),
         "matched": st.integers(0, 8),
+        "slots": st.integers(0, 64),
     }
 )
 
@@ -42,7 +43,7 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
         worker_id=f"w{i}", pool="p", model="m", state=w["state"], seq=1, sent_at=NOW - float(w["age"]),  # type: ignore[arg-type]
         ttl_ms=3000, kv_blocks_total=total, kv_blocks_free=int(total * float(w["free_share"])),  # type: ignore[arg-type]
         block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
-        decode_tokens_per_s=0.0, started_at=0.0,
+        decode_tokens_per_s=0.0, started_at=0.0, max_running=w.get("slots", 0),  # type: ignore[arg-type]
     )  # fmt: skip
 
 
