@@ -43,6 +43,7 @@ log = structlog.get_logger("sluice.dispatcher.batch")
 
 DeadLetterFn = Callable[[ConsumerRecord[Any, Any], str], Awaitable[None]]
 QUOTA_STORE_RETRY_S = 1.0
+TEAM_CACHE_S = 10.0
 
 
 class Reserve(Enum):
@@ -69,6 +70,7 @@ class BatchDesk:
         self.quota = QuotaGate(redis, names)
         self._dead_letter = dead_letter
         self._compile_check = xgrammar_check if pool.engine == "vllm" else None
+        self._teams: dict[str, float] = {}  # known team -> until when (monotonic) that is trusted
 
     async def admit(self, record: ConsumerRecord[Any, Any]) -> InferenceRequest | None:
         """The request to hold, or None when the submission was answered, dead-lettered or is a duplicate."""
@@ -86,7 +88,7 @@ class BatchDesk:
             metrics.OUTCOMES.labels(self.pool.name, "duplicate").inc()
             return None
         try:
-            if not await self.redis.exists(self.names.team(sub.team)):
+            if not await self._team_exists(sub.team):
                 raise InvalidRequest(f"Unknown team '{sub.team}'.", param="team", code="unknown_team")
             parsed = parse_batch_body(sub, self.pool, self._compile_check)
             ids = await prompt_ids(sub, parsed, self.tokenizer)
@@ -94,6 +96,16 @@ class BatchDesk:
         except ApiError as err:
             await self._refuse(envelope, record, err)
             return None
+
+    async def _team_exists(self, team: str) -> bool:
+        """Whether the team has a record; a known team is remembered for TEAM_CACHE_S."""
+        now = time.monotonic()
+        if self._teams.get(team, 0.0) > now:
+            return True
+        if not await self.redis.exists(self.names.team(team)):
+            return False
+        self._teams[team] = now + TEAM_CACHE_S
+        return True
 
     async def _seen(self, rid: str) -> bool:
         """Placed already (a redelivery) or answered already (a resubmission)."""

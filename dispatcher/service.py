@@ -132,13 +132,18 @@ class Dispatcher:
         batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await self.consumer.getmany(
             timeout_ms=wait_ms, max_records=self.settings.fetch_max_records
         )
+        batch_records = []
         for tp, records in batches.items():
             for record in records:
                 self.offsets.opened((tp.topic, tp.partition), record.offset)
                 if tp.topic == self.batch_topic:
-                    await self._admit_batch(record)
+                    batch_records.append(record)
                 else:
                     await self._admit(record)
+        # Interactive records first; batch ones concurrently, so a large fetch of them is a few round
+        # trips, not hundreds, before the next placement round.
+        if batch_records:
+            await asyncio.gather(*(self._admit_batch(record) for record in batch_records))
 
     async def _admit_batch(self, record: ConsumerRecord[Any, Any]) -> None:
         request = await self.batch.admit(record)
@@ -166,11 +171,15 @@ class Dispatcher:
     async def _place_held(self) -> None:
         if not len(self.hold):
             return
-        misses = 0
+        misses = batch_tries = 0
         now = time.time()
         for held in list(self.hold.ordered()):
             if held.not_before > now:
                 continue
+            if held.request.priority is Priority.BATCH:
+                batch_tries += 1
+                if batch_tries > self.settings.batch_per_round:
+                    break  # back to receiving, so an interactive request never waits behind a long round
             placed = await self._try_place(held)
             misses = 0 if placed else misses + 1
             if misses >= self.settings.max_misses_per_round:

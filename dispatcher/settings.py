@@ -16,6 +16,9 @@ class DispatcherSettings(BusSettings):
     batch_hold_capacity: int = Field(
         default=256, gt=0, description="batch requests held before the batch partitions are paused"
     )
+    batch_per_round: int = Field(
+        default=8, gt=0, description="batch requests tried per placement round, between receives"
+    )
     fetch_max_records: int = Field(default=256, gt=0)
     max_misses_per_round: int = Field(
         default=16, gt=0, description="held requests tried per round if none fit"

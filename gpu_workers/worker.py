@@ -51,6 +51,7 @@ log = structlog.get_logger("sluice.worker")
 
 INBOX_FIELD = b"m"
 ANSWER_ATTEMPTS = 8
+MIN_HEARTBEAT_GAP_S = 0.05
 KV_PUBLISH_INTERVAL_S = 0.05
 
 
@@ -69,6 +70,7 @@ class Worker:
         self.load_seconds: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._hb_seq = 0
+        self._beat_soon = asyncio.Event()
         self.inbox = Inbox(redis, self.names, settings.worker_id)
         self._inbox_seen_empty = False
         self.ready_at: float | None = None
@@ -202,7 +204,11 @@ class Worker:
     def _spawn(self, key: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"serve-{key}")
         self._tasks[key] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(key, None))
+        task.add_done_callback(lambda _t: self._ended(key))
+
+    def _ended(self, key: str) -> None:
+        self._tasks.pop(key, None)
+        self._beat_soon.set()
 
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
         """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
@@ -322,12 +328,18 @@ class Worker:
                 log.warning("kv events not published", error=str(exc))
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every interval, and one soon after a request ends (at most every
+        MIN_HEARTBEAT_GAP_S), so dispatchers see freed slots before the next regular one."""
         while True:
+            self._beat_soon.clear()
+            sent = time.monotonic()
             try:
                 await self._publish_heartbeat()
             except RedisError as exc:
                 log.warning("heartbeat failed", error=str(exc))
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), self.settings.heartbeat_interval_s)
+            await asyncio.sleep(max(0.0, MIN_HEARTBEAT_GAP_S - (time.monotonic() - sent)))
 
     def _completion_rate(self, window_s: float = 10.0) -> float:
         now = time.monotonic()

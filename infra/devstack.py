@@ -125,7 +125,10 @@ class DevStack:
         wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", timeout=60)
         asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
-        (self.workdir / "dev.env").write_text("\n".join(endpoints.env_lines()) + "\n")
+        lines = [*endpoints.env_lines(), f"SLUICE_PREFIX={self.prefix}"]
+        if self.config_path is not None:  # so `sluice batch` and `sluice keys` see the same pools
+            lines.append(f"SLUICE_CONFIG={self.config_path.resolve()}")
+        (self.workdir / "dev.env").write_text("\n".join(lines) + "\n")
         (self.workdir / "pids").write_text("".join(f"{p.name} {p.popen.pid}\n" for p in self.processes))
         return endpoints
 

@@ -321,6 +321,32 @@ def test_langchain_gets_a_structured_output(dev_run: DevRun) -> None:
     assert answer.city
 
 
+def test_a_batch_file_through_kafka_with_the_dev_env(dev_run: DevRun, tmp_path: Path) -> None:
+    """The README's batch recipe: dev.env, then `sluice batch submit`; SmolLM2 on vLLM and the sim pool."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = {"max_tokens": 24, "temperature": 0}
+    rows = [
+        {"custom_id": "france", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "smollm2-135m-instruct", "messages": question, **greedy}},
+        {"custom_id": "sim", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "sluice-sim", "messages": question}},
+        {"custom_id": "unknown-model", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "gpt-nothing", "messages": question}},
+    ]  # fmt: skip
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = {**os.environ, **dev_run.env}
+    argv = [sys.executable, "-m", "infra.cli", "batch", "submit", str(source), "--team", "dev"]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = {row["custom_id"]: row for row in map(json.loads, (tmp_path / "requests.output.jsonl").open())}
+    assert set(lines) == {"france", "sim", "unknown-model"}
+    answer = lines["france"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+    assert lines["sim"]["response"]["status_code"] == 200
+    assert lines["unknown-model"]["error"]["code"] == "invalid_line"
+
+
 def test_ctrl_c_stops_everything(dev_run: DevRun) -> None:
     dev_run.proc.send_signal(signal.SIGINT)
     code = dev_run.proc.wait(timeout=60)
