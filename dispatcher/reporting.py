@@ -1,7 +1,7 @@
 """What a dispatcher tells the scaler through Redis, once a second.
 
-- how many requests it holds (`held:<pool>:<dispatcher>`, expiring, so a dead dispatcher stops counting
-  and the key's presence says the group has a live consumer);
+- how many interactive requests it holds (`held:<pool>:<dispatcher>`, expiring, so a dead dispatcher
+  stops counting and the key's presence says the group has a live consumer);
 - the high watermark of each partition it owns, as fetch responses report it: right even where a
   broker's ListOffsets undercounts.
 """
@@ -13,6 +13,8 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
+
+from queue_schemas.messages import Priority
 
 if TYPE_CHECKING:
     from dispatcher.service import Dispatcher
@@ -31,7 +33,9 @@ async def report_loop(d: Dispatcher, stop: asyncio.Event) -> None:
                 marks[str(tp.partition)] = mark
         with contextlib.suppress(RedisError):
             async with d.redis.pipeline(transaction=False) as pipe:
-                pipe.set(key, len(d.hold), px=HELD_TTL_MS)
+                # Interactive only: admission control and scaling answer to interactive demand, and a
+                # batch backlog waits in its own hold and topic for the room interactive load leaves.
+                pipe.set(key, d.hold.size(Priority.INTERACTIVE), px=HELD_TTL_MS)
                 if marks:
                     pipe.hset(d.names.highwater(d.pool), mapping=marks)
                     pipe.pexpire(d.names.highwater(d.pool), HIGHWATER_TTL_MS)

@@ -63,7 +63,10 @@ def prepare(
         raise BatchInputError(
             f"{output} holds the answers of another input ({state.input}); choose another --output"
         )
-    topic = state.reply_topic if state else (reply_topic or settings.names.results_topic(team))
+    if state is not None:  # a resumed run keeps the team and reply topic it started with
+        team, topic = state.team, state.reply_topic
+    else:
+        topic = reply_topic or settings.names.results_topic(team)
     lines = read_lines(data, batch_id, team, topic, settings.load_pools(), window_s)
     if not lines:
         raise BatchInputError(f"{input_path} has no lines")
