@@ -1,0 +1,201 @@
+"""One replica as the fleet simulator models it: iteration-level timing, KV blocks and an LRU prefix cache.
+
+Each engine step decodes one token for every running sequence and prefills up to `chunk_tokens` of the
+queued prompts (chunked prefill, as vLLM schedules it). A step takes
+
+    step_s = decode_base_s + decode_per_seq_s * running + (prefill_per_token_s * chunk if prefilling)
+
+Between two events (an arrival, a prompt finishing its prefill, a sequence finishing) the step time is
+constant, so progress is linear and the replica jumps from event to event instead of stepping.
+
+KV: a sequence holds the blocks of its uncached prompt tokens and of its output; the prefix cache (the
+simulated engine's `PrefixCache`) keeps prompt blocks by chain hash in what is left, least recently used
+first out. A request is admitted when a sequence slot and its blocks are free; otherwise it waits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from gpu_workers.prefix_cache import PrefixCache
+
+EPS = 1e-6  # in tokens and steps; the counters grow large, so an absolute 1e-9 is below float precision
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """Defaults: Llama-3-70B (BF16), tensor parallel over 4 H100 SXM; derived in docs/benchmarks.md."""
+
+    decode_base_s: float = 0.0150  # weights (140 GB) read once per step at ~9.4 TB/s effective
+    decode_per_seq_s: float = 0.00015  # KV reads and sampling per running sequence per step
+    prefill_per_token_s: float = 0.00008  # 140 GFLOP per token at ~1.75 PFLOP/s effective
+    chunk_tokens: int = 2048
+    kv_blocks: int = 25_000  # 400k tokens of KV in what 4 x 80 GB leave after weights and activations
+    block_size: int = 16
+    max_seqs: int = 256
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    arrival: float
+    blocks: tuple[str, ...]  # prompt block hashes (chain: equal prefixes have equal leading hashes)
+    prompt_tokens: int
+    output_tokens: int
+    priority: str = "interactive"
+    tenant: int = 0
+    placed_at: float = math.nan
+    cached_tokens: int = 0
+    first_token: float = math.nan
+    done: float = math.nan
+    replica: int = -1
+
+
+@dataclass(eq=False)
+class Seq:
+    request: Request
+    own_blocks: int
+    cum_end: float = 0.0  # prefill position at which its prompt is done
+    finish_step: float = 0.0
+
+
+@dataclass(eq=False)
+class Replica:
+    index: int
+    model: TimingModel
+    ready_at: float = 0.0
+    draining: bool = False
+    retired_at: float = math.inf
+    now: float = 0.0
+    steps: float = 0.0
+    prefill_done: float = 0.0
+    prefill_end: float = 0.0
+    own_used: int = 0
+    waiting: deque[Seq] = field(default_factory=deque)
+    prefilling: deque[Seq] = field(default_factory=deque)
+    running: list[Seq] = field(default_factory=list)
+    version: int = 0
+    completed: int = 0
+    cache: PrefixCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = PrefixCache(self.model.kv_blocks)
+
+    # state the routers read
+    @property
+    def in_system(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    @property
+    def queue(self) -> int:
+        return len(self.waiting) + len(self.prefilling)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.model.kv_blocks - self.own_used
+
+    def prefill_blocks(self) -> int:
+        return math.ceil((self.prefill_end - self.prefill_done) / self.model.block_size)
+
+    def decode_blocks(self) -> int:
+        return sum(s.own_blocks for s in self.running)
+
+    def matched(self, blocks: tuple[str, ...]) -> int:
+        return self.cache.match(blocks)
+
+    # time
+    def step_s(self) -> float:
+        m = self.model
+        t = m.decode_base_s + m.decode_per_seq_s * len(self.running)
+        if self.prefilling:
+            t += m.prefill_per_token_s * m.chunk_tokens
+        return t
+
+    def advance(self, now: float) -> None:
+        """Move the engine on to `now` (no event lies in between)."""
+        if now <= self.now:
+            return
+        if self.prefilling or self.running:
+            steps = (now - self.now) / self.step_s()
+            self.steps += steps
+            if self.prefilling:
+                self.prefill_done = min(self.prefill_end, self.prefill_done + steps * self.model.chunk_tokens)
+        self.now = now
+
+    def next_event(self) -> float:
+        """When the next prompt finishes prefill or the next sequence finishes; inf when idle."""
+        if not self.prefilling and not self.running:
+            return math.inf
+        steps = math.inf
+        if self.prefilling:
+            steps = (self.prefilling[0].cum_end - self.prefill_done) / self.model.chunk_tokens
+        if self.running:
+            steps = min(steps, min(s.finish_step for s in self.running) - self.steps)
+        return self.now + max(0.0, steps) * self.step_s()
+
+    # work
+    def place(self, request: Request, now: float) -> None:
+        self.advance(now)
+        request.placed_at = now
+        request.replica = self.index
+        self.waiting.append(Seq(request, 0))
+        self.admit()
+
+    def admit(self) -> None:
+        """Start waiting requests while a sequence slot and their KV blocks are free."""
+        m = self.model
+        while self.waiting and len(self.prefilling) + len(self.running) < m.max_seqs:
+            seq = self.waiting[0]
+            r = seq.request
+            matched = self.cache.match(r.blocks)
+            uncached = max(1, r.prompt_tokens - matched * m.block_size)
+            need = math.ceil((uncached + r.output_tokens) / m.block_size)
+            if need > self.free_blocks:
+                if not self.running and not self.prefilling:
+                    need = self.free_blocks  # alone on the replica: let it through rather than stall
+                else:
+                    return
+            self.waiting.popleft()
+            r.cached_tokens = matched * m.block_size
+            seq.own_blocks = need
+            self.own_used += need
+            self.cache.capacity = max(1, m.kv_blocks - self.own_used)
+            self.cache.insert(r.blocks)
+            if not self.prefilling:
+                self.prefill_done = self.prefill_end = max(self.prefill_done, self.prefill_end)
+            self.prefill_end += uncached
+            seq.cum_end = self.prefill_end
+            self.prefilling.append(seq)
+
+    def process(self, now: float) -> list[Request]:
+        """Finish what is due at `now`; returns requests that completed."""
+        self.advance(now)
+        finished: list[Request] = []
+        while self.prefilling and self.prefilling[0].cum_end <= self.prefill_done + EPS:
+            seq = self.prefilling.popleft()
+            seq.request.first_token = now
+            if seq.request.output_tokens <= 1:
+                finished.append(self._finish(seq, now))
+                continue
+            seq.finish_step = self.steps + seq.request.output_tokens - 1
+            self.running.append(seq)
+        if self.running:
+            still = []
+            for seq in self.running:
+                if seq.finish_step <= self.steps + EPS:
+                    finished.append(self._finish(seq, now))
+                else:
+                    still.append(seq)
+            self.running = still
+        if finished:
+            self.admit()
+        return finished
+
+    def _finish(self, seq: Seq, now: float) -> Request:
+        seq.request.done = now
+        self.own_used -= seq.own_blocks
+        self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
+        self.completed += 1
+        return seq.request

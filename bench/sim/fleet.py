@@ -1,0 +1,239 @@
+"""The fleet simulator's event loop: arrivals, replica events, heartbeats, the hold and the scaler.
+
+Discrete events on one heap. A replica posts its next event (a prompt done, a sequence done) whenever its
+state changes; a stale one is recognised by the replica's version and skipped. Heartbeats go out for every
+live replica each `heartbeat_s`, and after each round the hold is retried (interactive first, then batch,
+at most `max_misses` failures in a row), as the dispatcher does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bench.sim.engine import Replica, Request, TimingModel
+from bench.sim.routers import Router
+
+
+@dataclass
+class FleetState:
+    """What a scaler sees at one tick."""
+
+    now: float
+    arrived: int
+    backlog: int  # requests not yet started: the hold plus what waits inside replicas
+    ready: list[Replica]
+    starting: int
+    draining: int
+    completed_recent: dict[int, float]  # completions per second over the last 10 s, per ready replica
+
+
+class Scaler(Protocol):
+    name: str
+    interval_s: float
+
+    def target(self, state: FleetState) -> int:
+        """Replicas wanted (ready + starting) after this tick."""
+        ...
+
+
+@dataclass
+class Outcome:
+    requests: list[Request]
+    replica_seconds: float
+    timeline: list[tuple[float, int, int, int]] = field(
+        default_factory=list
+    )  # (t, ready, starting, draining)
+    unfinished: int = 0
+    hold_peak: int = 0
+
+
+ARRIVAL, EVENT, BEAT, SCALE, READY = range(5)
+
+
+class Fleet:
+    def __init__(
+        self,
+        router: Router,
+        model: TimingModel,
+        replicas: int,
+        *,
+        heartbeat_s: float = 0.5,
+        scaler: Scaler | None = None,
+        startup_s: float = 180.0,
+        max_misses: int = 16,
+    ) -> None:
+        self.router = router
+        self.model = model
+        self.heartbeat_s = heartbeat_s
+        self.scaler = scaler
+        self.startup_s = startup_s
+        self.max_misses = max_misses
+        self.live: list[Replica] = [Replica(i, model) for i in range(replicas)]
+        self._ids = itertools.count(replicas)
+        self.starting = 0
+        self.hold: dict[str, deque[Request]] = {"interactive": deque(), "batch": deque()}
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._tie = itertools.count()
+        self.arrived = 0
+        self.done: list[Request] = []
+        self.replica_seconds = 0.0
+        self._last_t = 0.0
+        self.timeline: list[tuple[float, int, int, int]] = []
+        self.hold_peak = 0
+        self._completions: dict[int, deque[float]] = {}
+
+    # heap
+    def _push(self, t: float, kind: int, arg: int = 0) -> None:
+        heapq.heappush(self._heap, (t, kind, next(self._tie), arg))
+
+    def _post(self, replica: Replica) -> None:
+        replica.version += 1
+        t = replica.next_event()
+        if t < math.inf:
+            self._push(t, EVENT, replica.index * 1_000_000 + replica.version % 1_000_000)
+
+    def run(self, arrivals: Iterator[Request], until: float, drain_s: float = 600.0) -> Outcome:
+        by_index = {r.index: r for r in self.live}
+        pending = next(arrivals, None)
+        if pending is not None:
+            self._push(pending.arrival, ARRIVAL)
+        self._push(0.0, BEAT)
+        if self.scaler is not None:
+            self._push(0.0, SCALE)
+        end = until + drain_s
+        while self._heap:
+            t, kind, _, arg = heapq.heappop(self._heap)
+            if t > end:
+                break
+            self._account(t)
+            if kind == ARRIVAL and pending is not None:
+                self.arrived += 1
+                self._offer(pending, t)
+                pending = next(arrivals, None)
+                if pending is not None:
+                    self._push(pending.arrival, ARRIVAL)
+            elif kind == EVENT:
+                replica = by_index.get(arg // 1_000_000)
+                if replica is None or replica.version % 1_000_000 != arg % 1_000_000:
+                    continue
+                finished = replica.process(t)
+                for request in finished:
+                    self.done.append(request)
+                    self._completions.setdefault(replica.index, deque()).append(t)
+                self._post(replica)
+                if replica.draining and replica.in_system == 0:
+                    self._retire(replica, by_index)
+            elif kind == BEAT:
+                for replica in self.live:
+                    if not replica.draining:
+                        self.router.on_heartbeat(replica, t)
+                self._retry_hold(t)
+                if t < end and (pending is not None or self._busy()):
+                    self._push(t + self.heartbeat_s, BEAT)
+            elif kind == SCALE and self.scaler is not None:
+                self._scale(t, by_index)
+                if pending is not None or self._busy():
+                    self._push(t + self.scaler.interval_s, SCALE)
+            elif kind == READY:
+                replica = Replica(arg, self.model, ready_at=t, now=t)
+                self.starting -= 1
+                self.live.append(replica)
+                by_index[arg] = replica
+                self.router.on_heartbeat(replica, t)
+                self._retry_hold(t)
+        unfinished = sum(len(q) for q in self.hold.values()) + sum(r.in_system for r in self.live)
+        return Outcome(self.done, self.replica_seconds, self.timeline, unfinished, self.hold_peak)
+
+    def _busy(self) -> bool:
+        return any(self.hold.values()) or any(r.in_system for r in self.live)
+
+    def _account(self, t: float) -> None:
+        self.replica_seconds += (t - self._last_t) * (len(self.live) + self.starting)
+        self._last_t = t
+
+    def _eligible(self) -> list[Replica]:
+        return [r for r in self.live if not r.draining]
+
+    def _offer(self, request: Request, t: float) -> None:
+        if any(self.hold.values()) and request.priority == "batch":
+            self.hold["batch"].append(request)  # behind the batch requests already waiting
+        elif not self._place_now(request, t):
+            self.hold[request.priority].append(request)
+        self.hold_peak = max(self.hold_peak, sum(len(q) for q in self.hold.values()))
+
+    def _retry_hold(self, t: float) -> None:
+        """Offer held requests again from the head, interactive first; stop after `max_misses` failures in
+        a row (the failed ones keep their places)."""
+        misses = 0
+        for priority in ("interactive", "batch"):
+            queue = self.hold[priority]
+            failed: list[Request] = []
+            while queue and misses < self.max_misses:
+                request = queue.popleft()
+                if self._place_now(request, t):
+                    misses = 0
+                else:
+                    failed.append(request)
+                    misses += 1
+            queue.extendleft(reversed(failed))
+
+    def _place_now(self, request: Request, t: float) -> bool:
+        replica = self.router.route(request, self._eligible(), t)
+        if replica is None:
+            return False
+        replica.place(request, t)
+        self._post(replica)
+        return True
+
+    # scaling
+    def _scale(self, t: float, by_index: dict[int, Replica]) -> None:
+        assert self.scaler is not None
+        ready = self._eligible()
+        recent: dict[int, float] = {}
+        for r in ready:
+            times = self._completions.setdefault(r.index, deque())
+            while times and t - times[0] > 10.0:
+                times.popleft()
+            recent[r.index] = len(times) / 10.0
+        draining = sum(1 for r in self.live if r.draining)
+        backlog = sum(len(q) for q in self.hold.values()) + sum(len(r.waiting) for r in ready)
+        state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent)
+        target = self.scaler.target(state)
+        current = len(ready) + self.starting
+        for _ in range(max(0, target - current)):
+            self.starting += 1
+            self._push(t + self.startup_s, READY, next(self._ids))
+        if target < current and ready:
+            victim = min(ready, key=lambda r: r.in_system)
+            victim.draining = True
+            if victim.in_system == 0:
+                self._retire(victim, by_index)
+        self.timeline.append((t, len(self._eligible()), self.starting, draining))
+
+    def _retire(self, replica: Replica, by_index: dict[int, Replica]) -> None:
+        self.live.remove(replica)
+        by_index.pop(replica.index, None)
+
+
+def simulate(
+    router_factory: Callable[[], Router],
+    model: TimingModel,
+    requests: Callable[[random.Random], Iterator[Request]],
+    duration_s: float,
+    replicas: int,
+    seed: int = 1,
+    scaler: Scaler | None = None,
+    startup_s: float = 180.0,
+    heartbeat_s: float = 0.5,
+) -> Outcome:
+    fleet = Fleet(
+        router_factory(), model, replicas, scaler=scaler, startup_s=startup_s, heartbeat_s=heartbeat_s
+    )
+    return fleet.run(requests(random.Random(seed)), duration_s)
