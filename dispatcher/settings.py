@@ -26,11 +26,11 @@ class DispatcherSettings(BusSettings):
     placement_ttl_s: int = Field(default=24 * 3600, gt=0, description="how long a placement record is kept")
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
-    # Placement policy (dispatcher.placement.PlacementPolicy); weights start from llm-d's defaults.
+    # Placement policy (dispatcher.placement.PlacementPolicy): llm-d's weights, the prefix one raised to 5.
     placement: Literal["scored", "least-loaded"] = Field(
         default="scored", description="`least-loaded` is the baseline, kept for comparisons"
     )
-    prefix_weight: float = Field(default=3.0, ge=0)
+    prefix_weight: float = Field(default=5.0, ge=0)
     kv_weight: float = Field(default=2.0, ge=0)
     queue_weight: float = Field(default=2.0, ge=0)
     kv_reserve_fraction: float = Field(default=0.05, ge=0, lt=1)

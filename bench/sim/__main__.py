@@ -31,7 +31,7 @@ from bench.sim.workloads import (
 from scaler.policy import ScalingPolicy
 
 HEADER = (
-    "| router | p50 TTFT s | p90 TTFT s | p99 TTFT s | p90 ITL ms | tokens/s | prefix hits | SLO met "
+    "| router | p50 TTFT ms | p90 TTFT ms | p99 TTFT s | p90 ITL ms | tokens/s | prefix hits | SLO met "
     "| unfinished |"
 )
 
@@ -43,8 +43,9 @@ SCALING_HEADER = (
 
 def row(name: str, s: Summary, out: Outcome) -> str:
     return (
-        f"| {name} | {s.ttft_p50:.3f} | {s.ttft_p90:.3f} | {s.ttft_p99:.2f} | {s.itl_p90 * 1000:.0f} | "
-        f"{s.tokens_per_s:,.0f} | {s.hit_rate:.0%} | {s.slo_attainment:.1%} | {out.unfinished} |"
+        f"| {name} | {s.ttft_p50 * 1000:,.1f} | {s.ttft_p90 * 1000:,.1f} | {s.ttft_p99:.2f} | "
+        f"{s.itl_p90 * 1000:.0f} | {s.tokens_per_s:,.0f} | {s.hit_rate:.0%} | {s.slo_attainment:.1%} | "
+        f"{out.unfinished} |"
     )
 
 

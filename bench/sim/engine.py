@@ -15,6 +15,7 @@ first out. A request is admitted when a sequence slot and its blocks are free; o
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ class Replica:
     own_used: int = 0
     waiting: deque[Seq] = field(default_factory=deque)
     prefilling: deque[Seq] = field(default_factory=deque)
-    running: list[Seq] = field(default_factory=list)
+    running: list[tuple[float, int, Seq]] = field(default_factory=list)  # heap by finish step
+    running_blocks: int = 0
     version: int = 0
     completed: int = 0
     cache: PrefixCache = field(init=False)
@@ -100,7 +102,7 @@ class Replica:
         return math.ceil((self.prefill_end - self.prefill_done) / self.model.block_size)
 
     def decode_blocks(self) -> int:
-        return sum(s.own_blocks for s in self.running)
+        return self.running_blocks
 
     def matched(self, blocks: tuple[str, ...]) -> int:
         return self.cache.match(blocks)
@@ -132,7 +134,7 @@ class Replica:
         if self.prefilling:
             steps = (self.prefilling[0].cum_end - self.prefill_done) / self.model.chunk_tokens
         if self.running:
-            steps = min(steps, min(s.finish_step for s in self.running) - self.steps)
+            steps = min(steps, self.running[0][0] - self.steps)
         return self.now + max(0.0, steps) * self.step_s()
 
     # work
@@ -180,15 +182,12 @@ class Replica:
                 finished.append(self._finish(seq, now))
                 continue
             seq.finish_step = self.steps + seq.request.output_tokens - 1
-            self.running.append(seq)
-        if self.running:
-            still = []
-            for seq in self.running:
-                if seq.finish_step <= self.steps + EPS:
-                    finished.append(self._finish(seq, now))
-                else:
-                    still.append(seq)
-            self.running = still
+            heapq.heappush(self.running, (seq.finish_step, seq.request.rid, seq))
+            self.running_blocks += seq.own_blocks
+        while self.running and self.running[0][0] <= self.steps + EPS:
+            _, _, seq = heapq.heappop(self.running)
+            self.running_blocks -= seq.own_blocks
+            finished.append(self._finish(seq, now))
         if finished:
             self.admit()
         return finished
