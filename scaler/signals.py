@@ -2,7 +2,8 @@
 
 Per-replica capacity and start-up time start from the pool file's figures and follow what the workers
 report: completions per second of replicas that were busy (so idle replicas do not drag the figure
-down), and the time from a worker's process start to its first `ready` heartbeat.
+down) and ready for a minute at least (so a new replica's first, partial window does not either), and
+the time from a worker's process start to its first `ready` heartbeat.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from collections.abc import Sequence
 
 from queue_schemas.messages import Heartbeat, WorkerState
 from scaler.policy import PoolSignals
+
+# A replica's completion rate is counted over a window (10 s in the worker) and its first requests take a
+# while to finish; a replica ready for less than this would report a fraction of what it can do.
+CAPACITY_SETTLE_S = 60.0
 
 
 class Ewma:
@@ -39,7 +44,8 @@ class ReplicaMeasures:
                     self._started_seen.add(key)
                     self.startup.add(max(0.0, hb.ready_at - hb.started_at))
             busy = hb.waiting > 0 or hb.inbox_pending > 0
-            if hb.state is WorkerState.READY and busy and hb.completed_per_s > 0:
+            settled = hb.ready_at is not None and hb.sent_at - hb.ready_at >= CAPACITY_SETTLE_S
+            if hb.state is WorkerState.READY and busy and settled and hb.completed_per_s > 0:
                 self.capacity.add(hb.completed_per_s)
 
 

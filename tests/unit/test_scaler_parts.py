@@ -49,6 +49,8 @@ def test_measures_follow_busy_replicas_and_first_ready_times() -> None:
     m.observe([beat("a", completed_per_s=9.0, ready_at=160.0)])  # idle: not a capacity sample
     assert m.capacity.value == 4.0
     assert m.startup.value == 60.0
+    m.observe([beat("a", completed_per_s=1.0, waiting=3, ready_at=990.0)])  # ready 10 s: not settled
+    assert m.capacity.value == 4.0
     m.observe([beat("a", completed_per_s=9.0, waiting=3, ready_at=160.0)])
     assert m.capacity.value == 9.0
     assert m.startup.samples == 1, "a worker's start-up counts once"
