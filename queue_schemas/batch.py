@@ -179,10 +179,6 @@ def parse_submission(raw: bytes) -> BatchSubmission | str:
         return "invalid submission: " + "; ".join(parts)
 
 
-def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def http_answer(
     envelope_id: str, request_id: str | None, custom_id: str | None, status: int, body: dict[str, Any]
 ) -> BatchAnswer:

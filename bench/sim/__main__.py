@@ -62,7 +62,7 @@ def compare(workload: Workload, replicas: int, model: TimingModel, seed: int) ->
             workload.duration_s,
             replicas,
         )
-        results[name] = summarize(out, 0)
+        results[name] = summarize(out)
         print(row(name, results[name], out), flush=True)
     return results
 
@@ -102,7 +102,7 @@ def scaling(args: argparse.Namespace) -> None:
             lambda: make_router("sluice", args.seed), model, w.requests, w.duration_s, 1,
             seed=args.seed, scaler=factory(), startup_s=args.startup, heartbeat_s=1.0,
         )  # fmt: skip
-        s = summarize(out, 0)
+        s = summarize(out)
         minutes = violation_minutes(out.requests, w.duration_s, 2.0, out.unfinished)
         peak = max((ready + starting for _, ready, starting, _ in out.timeline), default=0)
         print(
@@ -120,7 +120,7 @@ def scale(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out = simulate(lambda: make_router("sluice", args.seed), TimingModel(), w.requests, w.duration_s, 64)
     wall = time.perf_counter() - t0
-    s = summarize(out, 0)
+    s = summarize(out)
     print(f"\n64 replicas, 1 simulated hour, {w.description}")
     print(HEADER)
     print("| --- " * 9 + "|")

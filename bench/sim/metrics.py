@@ -37,7 +37,6 @@ class Summary:
 
 def summarize(
     outcome: Outcome,
-    arrived: int,
     ttft_slo_s: float = 2.0,
     itl_slo_s: float = 0.1,
     priority: str = "interactive",

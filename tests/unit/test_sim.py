@@ -85,7 +85,7 @@ def test_a_small_shared_prefix_run_is_complete_and_prefix_aware_placement_hits_t
     for name in ("sluice", "random"):
         out = simulate(functools.partial(make_router, name, 3), model, workload.requests, 60.0, 4)
         assert out.unfinished == 0
-        results[name] = summarize(out, 0)
+        results[name] = summarize(out)
     assert results["sluice"].finished == results["random"].finished > 1000
     assert results["sluice"].hit_rate > results["random"].hit_rate + 0.2
     assert results["sluice"].ttft_p90 < results["random"].ttft_p90
