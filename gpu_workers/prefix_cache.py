@@ -39,11 +39,12 @@ class PrefixCache:
         cached prefix stays usable for as long as possible.
         """
         stored: list[str] = []
+        blocks, refresh = self._blocks, self._blocks.move_to_end
         for h in reversed(block_hashes):
-            if h in self._blocks:
-                self._blocks.move_to_end(h)
-            else:
-                self._blocks[h] = None
+            try:
+                refresh(h)  # the common case: a shared prefix already cached
+            except KeyError:
+                blocks[h] = None
                 stored.append(h)
         stored.reverse()
         evicted: list[str] = []

@@ -7,6 +7,7 @@ blocks of a request's own text its id, so two prompts share exactly the leading 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -17,7 +18,9 @@ from bench.sim.engine import Request
 BLOCK = 16
 
 
+@functools.lru_cache(maxsize=4096)
 def blocks_of(prefix: str, start: int, count: int) -> tuple[str, ...]:
+    """Memoised: shared contexts are asked for again and again (one request's own blocks pass through)."""
     return tuple(f"{prefix}:{i}" for i in range(start, start + count))
 
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 
 import pytest
 
-from bench.sim.engine import Replica, Request, TimingModel
+from bench.sim.engine import Replica, Request, TimingModel, leading_cached
 from bench.sim.fleet import FleetState, simulate
 from bench.sim.metrics import summarize, violation_minutes
 from bench.sim.routers import make_router
 from bench.sim.scalers import KedaScaler, ReactiveScaler
 from bench.sim.workloads import blocks_of, shared_prefix
+from gpu_workers.prefix_cache import PrefixCache
 
 MODEL = TimingModel(decode_base_s=0.01, decode_per_seq_s=0.001, prefill_per_token_s=0.0001, chunk_tokens=1000)
 
@@ -25,6 +27,25 @@ def run_alone(replica: Replica, r: Request) -> None:
     replica.place(r, r.arrival)
     while math.isnan(r.done):
         replica.process(replica.next_event())
+
+
+def test_bisected_match_equals_the_linear_one_under_eviction() -> None:
+    rng = random.Random(3)
+    cache = PrefixCache(300)
+    chains = [blocks_of(f"c{i}", 0, 120) for i in range(12)]
+    checked = partial = 0
+    for step in range(2000):
+        base = rng.choice(chains)
+        prompt = base[: rng.randint(1, len(base))] + blocks_of(f"own{step}", 0, rng.randint(0, 20))
+        for probe in (prompt, rng.choice(chains)):
+            expected = cache.match(probe)
+            assert leading_cached(cache, probe) == expected
+            checked += 1
+            partial += 0 < expected < len(probe)
+        cache.capacity = rng.randint(150, 400)  # the replica's free blocks move with its running work
+        cache.insert(prompt)
+    assert checked == 4000
+    assert partial > 500  # most probes end inside a chain, where bisection could go wrong
 
 
 def test_one_request_takes_its_prefill_steps_then_one_step_per_token() -> None:
