@@ -57,7 +57,7 @@ async def serve(settings: DispatcherSettings) -> None:
 def run(settings: DispatcherSettings) -> None:
     configure_logging(settings, "dispatcher")
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr="127.0.0.1")
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
     try:
         uvloop.run(serve(settings))
     except BusUnavailable as exc:

@@ -26,6 +26,7 @@ class DispatcherSettings(BusSettings):
     placement_ttl_s: int = Field(default=24 * 3600, gt=0, description="how long a placement record is kept")
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
+    metrics_host: str = Field(default="127.0.0.1", description="0.0.0.0 where Prometheus scrapes pods")
     # Placement policy (dispatcher.placement.PlacementPolicy): llm-d's weights, the prefix one raised to 5.
     placement: Literal["scored", "least-loaded"] = Field(
         default="scored", description="`least-loaded` is the baseline, kept for comparisons"

@@ -48,7 +48,7 @@ async def serve(settings: WorkerSettings) -> int:
 def run(settings: WorkerSettings) -> None:
     configure_logging(settings, "worker")
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr="127.0.0.1")
+        start_http_server(settings.metrics_port, addr=settings.metrics_host)
     code = uvloop.run(serve(settings))
     if code:
         raise SystemExit(code)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from pydantic import Field
 
@@ -26,3 +27,7 @@ class WorkerSettings(BusSettings):
     )
     spec_decoding: bool = Field(default=False, description="start the engine with speculative decoding")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
+    state_file: Path | None = Field(
+        default=None, description="file the worker keeps its state in (ready, draining...) for probes"
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="0.0.0.0 where Prometheus scrapes pods")

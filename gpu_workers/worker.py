@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -383,12 +384,16 @@ class Worker:
             error=self.error,
         )
         await publish_heartbeat(self.redis, self.names, hb)
+        if self.settings.state_file is not None:
+            write_state_file(self.settings.state_file, hb.state)
 
     async def _publish_heartbeat_quietly(self) -> None:
         with contextlib.suppress(RedisError):
             await self._publish_heartbeat()
 
     async def _retire(self) -> None:
+        if self.settings.state_file is not None:
+            write_state_file(self.settings.state_file, "stopped")
         """Leave the pool. Entries still in the inbox stay there with our membership, and the missing
         heartbeat makes a dispatcher take them over at once. A failed worker leaves its `failed` heartbeat
         and membership for ops to see; dispatchers treat it as gone and clean up after it."""
@@ -425,3 +430,10 @@ class _Output:
         if isinstance(chunk, FinalChunk):
             return completed_answer(self.request, "".join(self._parts), chunk.finish_reason, chunk.usage)
         return None
+
+
+def write_state_file(path: Path, state: str) -> None:
+    """The worker's state for a readiness probe (`grep -qx ready FILE`), replaced atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(state + "\n")
+    tmp.replace(path)

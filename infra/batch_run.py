@@ -34,7 +34,7 @@ from infra.batch_file import (
     save_state,
 )
 from queue_schemas.batch import BatchAnswer
-from queue_schemas.clients import consumer_options, producer_options
+from queue_schemas.clients import admin_options, consumer_options, producer_options
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
 from queue_schemas.settings import BusSettings
@@ -75,7 +75,7 @@ def prepare(
 
 
 async def ensure_topic(settings: BusSettings, topic: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**admin_options(settings))
     await admin.start()
     try:
         with contextlib.suppress(TopicAlreadyExistsError):

@@ -131,6 +131,45 @@ def scaler(port: Annotated[int | None, typer.Option()] = None) -> None:
     run(ScalerSettings(**({"port": port} if port is not None else {})))  # type: ignore[arg-type]
 
 
+topics_app = typer.Typer(no_args_is_help=True, help="Manage the Kafka topics of the configured pools")
+app.add_typer(topics_app, name="topics")
+
+
+@topics_app.command("create")
+def topics_create(
+    replication: Annotated[int, typer.Option(min=1, help="replication factor (3 in production)")] = 1,
+    team: Annotated[list[str] | None, typer.Option(help="also create its batch results topic")] = None,
+) -> None:
+    """Create the requests, batch and dead-letter topics of every configured pool (existing ones are kept)."""
+    from infra.topics import create_topics
+    from queue_schemas.settings import BusSettings
+
+    for name, created in asyncio.run(create_topics(BusSettings(), replication, team or [])):
+        typer.echo(f"{'created' if created else 'exists '} {name}")
+
+
+@app.command("lag")
+def lag_command(
+    scaler_url: Annotated[
+        str, typer.Option("--scaler", envvar="SLUICE_SCALER_URL", help="the scaler's base URL")
+    ] = "http://127.0.0.1:8010",
+    interval: Annotated[float, typer.Option(min=0.2, help="seconds between redraws")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="print the tables once and exit")] = False,
+) -> None:
+    """Consumer lag, replicas and workers of every pool, live in the terminal (the dashboard's numbers)."""
+    import httpx
+
+    from infra.lag_cli import watch
+
+    try:
+        watch(scaler_url, interval, once)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]the scaler at {scaler_url} does not answer: {exc}[/red]")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
 @app.command("plan")
 def plan_command(
     model: Annotated[str, typer.Option(help="model preset: llama-70b, qwen-32b, llama-8b")] = "llama-70b",

@@ -10,11 +10,11 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from infra.keys import create_key
 from infra.launcher import (
@@ -26,6 +26,7 @@ from infra.launcher import (
     start_redis,
     wait_until,
 )
+from infra.topics import create_topics
 from queue_schemas.clients import redis_client
 from queue_schemas.codec import decode
 from queue_schemas.config import SluiceConfig, load_config
@@ -81,6 +82,12 @@ class DevStack:
     extra_env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
     workers_ready_s: float = 300.0
+    # Transport security for every client: `front(service, port)` puts an endpoint (a TLS proxy, say) in
+    # front of the broker ("kafka") or Redis ("redis") and returns the port clients use instead; `security`
+    # holds the BusSettings fields (TLS files, SASL) every service and the stack's own clients are given.
+    front: Callable[[str, int], int] | None = None
+    security: dict[str, str] = field(default_factory=dict)
+    redis_tls: bool = False
 
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
@@ -96,13 +103,17 @@ class DevStack:
     def _start(self) -> Endpoints:
         self.workdir.mkdir(parents=True, exist_ok=True)
         kafka_port, redis_port = free_port(), free_port()
-        self.processes.append(start_broker(kafka_port, self.log_dir))
+        kafka_client_port = self.front("kafka", kafka_port) if self.front else kafka_port
+        redis_client_port = self.front("redis", redis_port) if self.front else redis_port
+        self.processes.append(start_broker(kafka_port, self.log_dir, advertised_port=kafka_client_port))
         self.processes.append(start_redis(redis_port, self.log_dir))
+        scheme = "rediss" if self.redis_tls else "redis"
         bus = BusSettings(
-            kafka_bootstrap=f"127.0.0.1:{kafka_port}",
-            redis_url=f"redis://127.0.0.1:{redis_port}/0",
+            kafka_bootstrap=f"127.0.0.1:{kafka_client_port}",
+            redis_url=f"{scheme}://127.0.0.1:{redis_client_port}/0",
             prefix=self.prefix,
             config=self.config_path,
+            **self.security,  # type: ignore[arg-type]
         )
         api_key = asyncio.run(self._prepare_bus(bus))
         port = self.ingress_port if self.ingress_port and port_is_free(self.ingress_port) else free_port()
@@ -126,6 +137,7 @@ class DevStack:
         asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
         lines = [*endpoints.env_lines(), f"SLUICE_PREFIX={self.prefix}"]
+        lines += [f"SLUICE_{name.upper()}={value}" for name, value in self.security.items()]
         if self.config_path is not None:  # so `sluice batch` and `sluice keys` see the same pools
             lines.append(f"SLUICE_CONFIG={self.config_path.resolve()}")
         (self.workdir / "dev.env").write_text("\n".join(lines) + "\n")
@@ -143,21 +155,13 @@ class DevStack:
         )
         if self.config_path is not None:
             env["SLUICE_CONFIG"] = str(self.config_path.resolve())
+        env.update({f"SLUICE_{name.upper()}": value for name, value in self.security.items()})
         env.update(self.extra_env)
         return env
 
     async def _prepare_bus(self, bus: BusSettings) -> str:
         names = bus.names
-        admin = AIOKafkaAdminClient(bootstrap_servers=bus.kafka_bootstrap)
-        await admin.start()
-        try:
-            topics = [NewTopic(names.requests_topic(p.name), p.partitions, 1) for p in self.config.pools]
-            topics += [NewTopic(names.batch_topic(p.name), p.partitions, 1) for p in self.config.pools]
-            topics.append(NewTopic(names.results_topic(DEV_TEAM), 4, 1))
-            topics.append(NewTopic(names.deadletter_topic(), 1, 1))
-            await admin.create_topics(topics)
-        finally:
-            await admin.close()
+        await create_topics(bus, replication=1, teams=[DEV_TEAM])
         redis = redis_client(bus)
         try:
             return await create_key(redis, names, DEV_TEAM)

@@ -130,17 +130,17 @@ def redis_answers(port: int) -> bool:
         return False
 
 
-def start_broker(port: int, log_dir: Path) -> ManagedProcess:
-    """The Tansu Kafka-protocol broker, in-memory, advertising the loopback address it listens on."""
-    url = f"tcp://127.0.0.1:{port}"
+def start_broker(port: int, log_dir: Path, advertised_port: int | None = None) -> ManagedProcess:
+    """The Tansu Kafka-protocol broker, in-memory, on loopback; it advertises `advertised_port` when a
+    proxy stands in front of it, else the port it listens on."""
     argv = [
         str(tansu_binary()),
         "broker",
         "--silent",
         "--listener-url",
-        url,
+        f"tcp://127.0.0.1:{port}",
         "--advertised-listener-url",
-        url,
+        f"tcp://127.0.0.1:{advertised_port or port}",
         "--storage-engine",
         "memory://tansu/",
     ]

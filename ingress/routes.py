@@ -19,13 +19,13 @@ from sse_starlette import EventSourceResponse
 from ingress import relay
 from ingress.auth import Caller
 from ingress.context import IngressContext
-from ingress.metrics import ACTIVE_STREAMS, REJECTIONS, REQUESTS, TTFT
+from ingress.metrics import ACTIVE_STREAMS, INTER_TOKEN, REJECTIONS, REQUESTS, TTFT
 from ingress.streams import HubDisconnected, Subscription
 from queue_schemas import admission
 from queue_schemas.admission import parse_body
 from queue_schemas.api_errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from queue_schemas.config import PoolConfig
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk
 from queue_schemas.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
@@ -219,9 +219,14 @@ async def sse_events(
     try:
         for payload in fmt.opening():
             yield {"data": payload}
+        last = 0.0
         async for event in relay.events(sub, inference):
+            now = time.time()
             if event.seq == 0:
-                TTFT.labels(inference.pool).observe(time.time() - inference.created_at)
+                TTFT.labels(inference.pool).observe(now - inference.created_at)
+            elif isinstance(event, TokenChunk | FinalChunk) and event.num_tokens:
+                INTER_TOKEN.labels(inference.pool).observe((now - last) / event.num_tokens)
+            last = now
             for payload in fmt.format(event):
                 yield {"data": payload}
             if isinstance(event, FinalChunk | ErrorChunk):

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
+from aiokafka.helpers import create_ssl_context
 
 from queue_schemas.settings import BusSettings
 
@@ -28,14 +29,52 @@ def redis_client(settings: BusSettings) -> aioredis.Redis:
         timeout=5.0,
         socket_connect_timeout=2.0,
         health_check_interval=15,
+        **redis_security(settings),
     )
     return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
+
+
+def redis_security(settings: BusSettings) -> dict[str, Any]:
+    """Connection options for AUTH and TLS beyond what the URL says (rediss:// turns TLS on)."""
+    options: dict[str, Any] = {}
+    if settings.redis_password is not None:
+        options["password"] = settings.redis_password.get_secret_value()
+    if settings.redis_username is not None:
+        options["username"] = settings.redis_username
+    if settings.redis_ssl_ca_certs is not None:
+        options["ssl_ca_certs"] = str(settings.redis_ssl_ca_certs)
+    if settings.redis_ssl_certfile is not None and settings.redis_ssl_keyfile is not None:
+        options["ssl_certfile"] = str(settings.redis_ssl_certfile)
+        options["ssl_keyfile"] = str(settings.redis_ssl_keyfile)
+    return options
+
+
+def kafka_security(settings: BusSettings) -> dict[str, Any]:
+    """Options every Kafka client (producer, consumer, admin) takes for TLS and SASL."""
+    protocol = settings.kafka_security_protocol
+    options: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap, "security_protocol": protocol}
+    if protocol in ("SSL", "SASL_SSL"):
+        options["ssl_context"] = create_ssl_context(
+            cafile=settings.kafka_ssl_cafile,
+            certfile=settings.kafka_ssl_certfile,
+            keyfile=settings.kafka_ssl_keyfile,
+        )
+    if protocol.startswith("SASL"):
+        assert settings.kafka_sasl_password is not None  # BusSettings checks the pair
+        options["sasl_mechanism"] = settings.kafka_sasl_mechanism
+        options["sasl_plain_username"] = settings.kafka_sasl_username
+        options["sasl_plain_password"] = settings.kafka_sasl_password.get_secret_value()
+    return options
+
+
+def admin_options(settings: BusSettings) -> dict[str, Any]:
+    return {**kafka_security(settings), "request_timeout_ms": settings.kafka_request_timeout_ms}
 
 
 def producer_options(settings: BusSettings) -> dict[str, Any]:
     # Tansu cannot do InitProducerId, so no idempotent producer: consumers de-duplicate by request id.
     return {
-        "bootstrap_servers": settings.kafka_bootstrap,
+        **kafka_security(settings),
         "acks": "all",
         "enable_idempotence": False,
         "linger_ms": 0,
@@ -45,7 +84,7 @@ def producer_options(settings: BusSettings) -> dict[str, Any]:
 
 def consumer_options(settings: BusSettings, group_id: str | None) -> dict[str, Any]:
     return {
-        "bootstrap_servers": settings.kafka_bootstrap,
+        **kafka_security(settings),
         "group_id": group_id,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from queue_schemas.config import SluiceConfig, load_config
@@ -36,6 +36,39 @@ class BusSettings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = False
+    # Transport security; docs/operations.md shows each setting against a production cluster.
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle for the brokers' certificates")
+    kafka_ssl_certfile: Path | None = Field(default=None, description="client certificate (mutual TLS)")
+    kafka_ssl_keyfile: Path | None = Field(default=None, description="client key (mutual TLS)")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "SCRAM-SHA-512"
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    redis_password: SecretStr | None = Field(default=None, description="AUTH password; overrides the URL's")
+    redis_username: str | None = Field(default=None, description="ACL user; overrides the URL's")
+    redis_ssl_ca_certs: Path | None = Field(default=None, description="CA bundle; needs a rediss:// URL")
+    redis_ssl_certfile: Path | None = Field(default=None, description="client certificate (mutual TLS)")
+    redis_ssl_keyfile: Path | None = Field(default=None, description="client key (mutual TLS)")
+
+    @model_validator(mode="after")
+    def _security(self) -> Self:
+        protocol = self.kafka_security_protocol
+        if protocol.startswith("SASL") and not (self.kafka_sasl_username and self.kafka_sasl_password):
+            raise ValueError(f"SLUICE_KAFKA_SECURITY_PROTOCOL={protocol} needs a SASL username and password")
+        uses_tls = protocol in ("SSL", "SASL_SSL")
+        kafka_tls = (self.kafka_ssl_cafile, self.kafka_ssl_certfile, self.kafka_ssl_keyfile)
+        if not uses_tls and any(kafka_tls):
+            raise ValueError(f"Kafka TLS files are set but SLUICE_KAFKA_SECURITY_PROTOCOL is {protocol}")
+        redis_tls = (self.redis_ssl_ca_certs, self.redis_ssl_certfile, self.redis_ssl_keyfile)
+        if any(redis_tls) and not self.redis_url.startswith("rediss://"):
+            raise ValueError("Redis TLS files are set but SLUICE_REDIS_URL is not a rediss:// URL")
+        for what, cert, key in (
+            ("Kafka", self.kafka_ssl_certfile, self.kafka_ssl_keyfile),
+            ("Redis", self.redis_ssl_certfile, self.redis_ssl_keyfile),
+        ):
+            if (cert is None) != (key is None):
+                raise ValueError(f"{what} client TLS needs both a certificate and a key file")
+        return self
 
     @property
     def names(self) -> Names:

@@ -1,23 +1,26 @@
-"""The scaler's process: the loop in the background, /metrics for Prometheus, /api/pools for people."""
+"""The scaler's process: the loop, /metrics for Prometheus, /dashboard and /api/* for people."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from queue_schemas.clients import redis_client, with_backoff
+from queue_schemas.clients import admin_options, consumer_options, redis_client, with_backoff
 from scaler.backends import Backend, DryRunBackend, KubernetesBackend, LocalBackend
-from scaler.service import LagReader, PoolReport, Scaler, controllers
+from scaler.dashboard import dashboard_body, report_body
+from scaler.service import LagReader, Scaler, controllers
 from scaler.settings import ScalerSettings
 
 
@@ -40,27 +43,6 @@ def make_backend(settings: ScalerSettings) -> Backend:
     return DryRunBackend()
 
 
-def report_body(report: PoolReport) -> dict[str, Any]:
-    s, v = report.signals, report.verdict
-    return {
-        "pool": report.lag.pool,
-        "lag": report.lag.total,
-        "partitions": {str(p): lag for p, lag in report.lag.partitions.items()},
-        "status": report.status.value,
-        "partition_status": {str(p): st.value for p, st in report.partition_status.items()},
-        "held": report.held,
-        "backlog": s.backlog,
-        "arrival_rate": round(s.arrival_rate, 3),
-        "forecast_rate": round(v.forecast, 3),
-        "replicas": {"ready": s.ready, "starting": s.starting, "draining": s.draining, "desired": v.desired},
-        "capacity_per_replica": round(s.capacity_per_replica, 3),
-        "startup_s": round(s.startup_s, 1),
-        "decision": {"action": v.action, "target": v.target, "reason": v.reason},
-        "spec_decoding": report.spec_decoding,
-        "read_at": report.lag.read_at,
-    }
-
-
 def create_app(settings: ScalerSettings) -> FastAPI:
     pools = list(settings.load_pools().pools)
     plans = controllers(pools)  # a bad scaling section fails here, before anything starts
@@ -69,8 +51,8 @@ def create_app(settings: ScalerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-        consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False)
+        admin = AIOKafkaAdminClient(**admin_options(settings))
+        consumer = AIOKafkaConsumer(**consumer_options(settings, None))
         await with_backoff(
             admin.start,
             f"connecting to Kafka at {settings.kafka_bootstrap}",
@@ -93,6 +75,7 @@ def create_app(settings: ScalerSettings) -> FastAPI:
             await redis.aclose()
 
     app = FastAPI(title="sluice scaler", lifespan=lifespan, docs_url=None)
+    page = resources.files("scaler").joinpath("dashboard.html").read_text(encoding="utf-8")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -106,6 +89,17 @@ def create_app(settings: ScalerSettings) -> FastAPI:
     async def pool_reports() -> dict[str, Any]:
         reports = scaler["loop"].reports if "loop" in scaler else {}
         return {"pools": [report_body(r) for r in reports.values()]}
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/api/dashboard")
+    async def dashboard_data() -> dict[str, Any]:
+        loop = scaler.get("loop")
+        if loop is None:
+            return {"now": time.time(), "pools": []}
+        return dashboard_body(loop.reports, loop.history, time.time())
 
     @app.get("/api/lag")
     async def lag() -> dict[str, Any]:

@@ -19,3 +19,16 @@ DECISIONS = Counter("sluice_scaler_decisions_total", "Scaling verdicts by action
 SPEC_DECODING = Gauge(
     "sluice_pool_spec_decoding", "1 if new replicas start with speculative decoding", ["pool"]
 )
+WORKER_KV_USED = Gauge(
+    "sluice_worker_kv_used_ratio", "Share of a worker's KV blocks in use", ["pool", "worker"]
+)
+WORKER_RUNNING = Gauge("sluice_worker_running", "Requests a worker is running", ["pool", "worker"])
+WORKER_WAITING = Gauge(
+    "sluice_worker_waiting", "Requests queued at a worker (engine queue and inbox)", ["pool", "worker"]
+)
+WORKER_PREFIX_HIT = Gauge(
+    "sluice_worker_prefix_hit_ratio",
+    "Prompt tokens found in the prefix cache, of those looked up",
+    ["pool", "worker"],
+)
+WORKER_GAUGES = (WORKER_KV_USED, WORKER_RUNNING, WORKER_WAITING, WORKER_PREFIX_HIT)

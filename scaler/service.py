@@ -8,6 +8,7 @@ policy; act: the backend; export: metrics, the lag status and the pool state adm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,11 +22,13 @@ from redis.exceptions import RedisError
 
 from queue_schemas.codec import encode
 from queue_schemas.config import PoolConfig, ScalingConfig
+from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
 from queue_schemas.state import read_heartbeats
 from scaler import metrics
 from scaler.backends import Backend
 from scaler.burrow import LagWindow, Status, pool_status
+from scaler.dashboard import HISTORY_POINTS, Sample, sample_of, worker_row
 from scaler.forecast import ArrivalEstimator
 from scaler.lag import PoolLag, pool_lag, pool_state
 from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
@@ -103,6 +106,12 @@ class PoolReport:
     verdict: Verdict
     held: int
     spec_decoding: bool
+    workers: list[Heartbeat] = field(default_factory=list)
+
+    @property
+    def completion_rate(self) -> float:
+        """Requests per second the pool's workers finish, as their heartbeats report it."""
+        return sum(hb.completed_per_s for hb in self.workers)
 
 
 @dataclass
@@ -161,6 +170,8 @@ class Scaler:
         self.pools = pools
         self.tick_s = tick_s
         self.reports: dict[str, PoolReport] = {}
+        self.history: dict[str, deque[Sample]] = {}
+        self._exported_workers: dict[str, set[str]] = {}
 
     async def run(self) -> None:
         while True:
@@ -200,8 +211,9 @@ class Scaler:
                 "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason
             )
         # export
-        report = PoolReport(lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on)
+        report = PoolReport(lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, beats)
         self.reports[name] = report
+        self.history.setdefault(name, deque(maxlen=HISTORY_POINTS)).append(sample_of(report, now))
         self._export(name, report, c)
         state = pool_state(lag, beats, now, held)
         await self.redis.set(self.names.pool_state(name), encode(state), px=int(3 * self.tick_s * 1000))
@@ -237,3 +249,24 @@ class Scaler:
             metrics.REPLICAS.labels(pool, state).set(count)
         metrics.DECISIONS.labels(pool, r.verdict.action).inc()
         metrics.SPEC_DECODING.labels(pool).set(1 if c.spec_on else 0)
+        self._export_workers(pool, r.workers)
+
+    def _export_workers(self, pool: str, beats: list[Heartbeat]) -> None:
+        """Per-worker gauges from heartbeats; a worker that stopped beating loses its series."""
+        now = time.time()
+        current = set()
+        for hb in beats:
+            row = worker_row(hb, now)
+            current.add(hb.worker_id)
+            metrics.WORKER_RUNNING.labels(pool, hb.worker_id).set(row["running"])
+            metrics.WORKER_WAITING.labels(pool, hb.worker_id).set(row["waiting"])
+            for gauge, value in (
+                (metrics.WORKER_KV_USED, row["kv_used"]),
+                (metrics.WORKER_PREFIX_HIT, row["prefix_hit"]),
+            ):
+                gauge.labels(pool, hb.worker_id).set(value if value is not None else 0.0)
+        for gone in self._exported_workers.get(pool, set()) - current:
+            for gauge in metrics.WORKER_GAUGES:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(pool, gone)
+        self._exported_workers[pool] = current

@@ -35,12 +35,14 @@ def test_pool_status_is_the_worst_partition() -> None:
 
 
 def beat(worker: str, state: WorkerState = WorkerState.READY, **fields: float) -> Heartbeat:
-    values: dict[str, float] = {"running": 0, "waiting": 0, "inbox_pending": 0, "completed_per_s": 0.0,
-                                "started_at": 100.0, "sent_at": 1000.0}  # fmt: skip
+    values: dict[str, float] = {
+        "running": 0, "waiting": 0, "inbox_pending": 0, "completed_per_s": 0.0, "started_at": 100.0,
+        "sent_at": 1000.0, "kv_blocks_total": 10, "kv_blocks_free": 10,
+    }  # fmt: skip
     values.update(fields)
     return Heartbeat(
-        worker_id=worker, pool="p", model="m", state=state, seq=1, ttl_ms=3000, kv_blocks_total=10,
-        kv_blocks_free=10, block_size=16, decode_tokens_per_s=0.0, **values,  # type: ignore[arg-type]
+        worker_id=worker, pool="p", model="m", state=state, seq=1, ttl_ms=3000, block_size=16,
+        decode_tokens_per_s=0.0, **values,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -1,0 +1,101 @@
+"""What the live dashboard and `sluice lag` show: pure functions from the scaler's reports to JSON.
+
+The scaler keeps one `Sample` per pool and tick (the last `HISTORY_POINTS`), so the page can draw lag over
+time without a metrics store; Prometheus and Grafana keep the long history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from queue_schemas.messages import Heartbeat
+
+if TYPE_CHECKING:
+    from scaler.service import PoolReport
+
+HISTORY_POINTS = 600  # ten minutes at the default one-second tick
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    lag: int
+    backlog: int
+    arrival: float
+    completion: float
+    ready: int
+    starting: int
+    draining: int
+    desired: int
+
+
+def sample_of(report: PoolReport, now: float) -> Sample:
+    s = report.signals
+    return Sample(
+        t=round(now, 3),
+        lag=report.lag.total,
+        backlog=s.backlog,
+        arrival=round(s.arrival_rate, 3),
+        completion=round(report.completion_rate, 3),
+        ready=s.ready,
+        starting=s.starting,
+        draining=s.draining,
+        desired=report.verdict.desired,
+    )
+
+
+def report_body(report: PoolReport) -> dict[str, Any]:
+    """One pool as `/api/pools` serves it: every signal and the verdict of the last tick."""
+    s, v = report.signals, report.verdict
+    return {
+        "pool": report.lag.pool,
+        "lag": report.lag.total,
+        "partitions": {str(p): lag for p, lag in report.lag.partitions.items()},
+        "status": report.status.value,
+        "partition_status": {str(p): st.value for p, st in report.partition_status.items()},
+        "held": report.held,
+        "backlog": s.backlog,
+        "arrival_rate": round(s.arrival_rate, 3),
+        "completion_rate": round(report.completion_rate, 3),
+        "forecast_rate": round(v.forecast, 3),
+        "replicas": {"ready": s.ready, "starting": s.starting, "draining": s.draining, "desired": v.desired},
+        "capacity_per_replica": round(s.capacity_per_replica, 3),
+        "startup_s": round(s.startup_s, 1),
+        "decision": {"action": v.action, "target": v.target, "reason": v.reason},
+        "spec_decoding": report.spec_decoding,
+        "read_at": report.lag.read_at,
+    }
+
+
+def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
+    """One worker's line: KV use, running and waiting requests, prefix-cache hits."""
+    total = hb.kv_blocks_total
+    return {
+        "worker": hb.worker_id,
+        "state": hb.state,
+        "kv_used": round(1 - hb.kv_blocks_free / total, 4) if total else None,
+        "running": hb.running,
+        "waiting": hb.waiting + hb.inbox_pending,
+        "prefix_hit": round(hb.prefix_hit_tokens / hb.prefix_query_tokens, 4)
+        if hb.prefix_query_tokens
+        else None,
+        "decode_tokens_per_s": round(hb.decode_tokens_per_s, 1),
+        "completed_per_s": round(hb.completed_per_s, 3),
+        "spec_decoding": hb.spec_decoding,
+        "heartbeat_age_s": round(max(0.0, now - hb.sent_at), 2),
+    }
+
+
+def dashboard_body(
+    reports: Mapping[str, PoolReport], history: Mapping[str, Sequence[Sample]], now: float
+) -> dict[str, Any]:
+    """Everything the dashboard draws, per pool: the latest report, its history and its workers."""
+    pools = []
+    for name, report in reports.items():
+        body = report_body(report)
+        body["history"] = [asdict(sample) for sample in history.get(name, ())]
+        body["workers"] = [worker_row(hb, now) for hb in sorted(report.workers, key=lambda h: h.worker_id)]
+        pools.append(body)
+    return {"now": now, "pools": pools}

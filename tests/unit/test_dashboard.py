@@ -1,0 +1,84 @@
+"""The dashboard's JSON and `sluice lag`'s tables, from scaler reports."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.console import Console
+
+from infra.lag_cli import pool_rows, render, worker_rows
+from scaler.burrow import Status
+from scaler.dashboard import Sample, dashboard_body, sample_of
+from scaler.lag import PoolLag
+from scaler.policy import PoolSignals, Verdict
+from scaler.service import PoolReport
+from tests.unit.test_scaler_parts import beat
+
+
+def report(lag: int, ready: int, workers: int = 2) -> PoolReport:
+    beats = [
+        beat(f"w{i}", running=3, waiting=1, inbox_pending=1, completed_per_s=1.5, kv_blocks_free=4,
+             prefix_query_tokens=200, prefix_hit_tokens=150, sent_at=1000.0 - i)
+        for i in range(workers)
+    ]  # fmt: skip
+    signals = PoolSignals(1000.0, lag + 5, 2.5, 0.0, ready, 1, 0, 2.0, 120.0)
+    verdict = Verdict("up", ready + 2, ready + 2, 3.0, "forecast above capacity")
+    lag_read = PoolLag("chat", "requests.chat", "dispatch.chat", {0: lag}, 999.5)
+    return PoolReport(lag_read, Status.WARN, {0: Status.WARN}, signals, verdict, 5, True, beats)
+
+
+def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
+    history = deque([sample_of(report(0, 1), 990.0), sample_of(report(12, 2), 1000.0)])
+    body = dashboard_body({"chat": report(12, 2)}, {"chat": history}, 1001.0)
+    (pool,) = body["pools"]
+    assert pool["pool"] == "chat"
+    assert pool["lag"] == 12
+    assert pool["status"] == "WARN"
+    assert pool["backlog"] == 17
+    assert pool["arrival_rate"] == 2.5
+    assert pool["completion_rate"] == 3.0  # two workers at 1.5/s
+    assert pool["replicas"] == {"ready": 2, "starting": 1, "draining": 0, "desired": 4}
+    assert pool["spec_decoding"] is True
+    assert [s["lag"] for s in pool["history"]] == [0, 12]
+    assert pool["history"][1] == {
+        "t": 1000.0, "lag": 12, "backlog": 17, "arrival": 2.5, "completion": 3.0,
+        "ready": 2, "starting": 1, "draining": 0, "desired": 4,
+    }  # fmt: skip
+    w0, w1 = pool["workers"]
+    assert w0["worker"] == "w0"
+    assert w0["kv_used"] == 0.6  # 4 of 10 blocks free
+    assert w0["waiting"] == 2  # engine queue plus undelivered inbox entries
+    assert w0["prefix_hit"] == 0.75
+    assert w1["heartbeat_age_s"] == 2.0
+
+
+def test_a_worker_without_lookups_or_blocks_shows_no_ratio() -> None:
+    r = report(0, 1, workers=1)
+    r.workers[0] = beat("idle", kv_blocks_total=0, kv_blocks_free=0)
+    (pool,) = dashboard_body({"chat": r}, {}, 1000.0)["pools"]
+    assert pool["workers"][0]["kv_used"] is None
+    assert pool["workers"][0]["prefix_hit"] is None
+    assert pool["history"] == []
+
+
+def test_lag_tables_show_the_same_numbers() -> None:
+    body = dashboard_body(
+        {"chat": report(12, 2)}, {"chat": [Sample(1.0, 12, 17, 2.5, 3.0, 2, 1, 0, 4)]}, 1001.0
+    )
+    (row,) = pool_rows(body)
+    assert row[:9] == ["chat", "12", "WARN", "17", "2.50", "3.00", "2/4", "1", "0"]
+    assert row[9] == "on"
+    assert row[10] == "up: forecast above capacity"
+    workers = worker_rows(body)
+    assert [w[:7] for w in workers] == [
+        ["chat", "w0", "ready", "60%", "3", "2", "75%"],
+        ["chat", "w1", "ready", "60%", "3", "2", "75%"],
+    ]
+    console = Console(width=160, record=True)
+    console.print(render(body))
+    text = console.export_text()
+    assert "up: forecast above capacity" in text
+    assert "w1" in text
+    empty = Console(width=160, record=True)
+    empty.print(render({"now": 0.0, "pools": []}))
+    assert "has not read any pool yet" in empty.export_text()

@@ -1,0 +1,278 @@
+"""The production assets agree with the code and with each other.
+
+Compose file, Kubernetes manifests, Prometheus and Grafana configuration are parsed; every image, port,
+setting, config file, secret and metric they name is checked against what the services really read and
+export; the manifests validate against the Kubernetes API schemas (strict: unknown fields fail).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import REGISTRY
+from pydantic_settings import BaseSettings
+
+import dispatcher.metrics
+import ingress.metrics
+import scaler.metrics
+from dispatcher.settings import DispatcherSettings
+from gpu_workers.settings import WorkerSettings
+from ingress.settings import IngressSettings
+from queue_schemas.config import SluiceConfig, load_config
+from queue_schemas.settings import BusSettings
+from scaler.settings import ScalerSettings
+
+ROOT = Path(__file__).parents[2]
+DEPLOY = ROOT / "infra" / "deploy"
+K8S_VERSION = "1.31.0"
+SETTINGS: dict[str, type[BaseSettings]] = {
+    "ingress": IngressSettings,
+    "dispatcher": DispatcherSettings,
+    "worker": WorkerSettings,
+    "scaler": ScalerSettings,
+    "topics": BusSettings,
+    "--help": BusSettings,
+}
+SECRETS = {"sluice-secrets", "sluice-tls"}  # made by operators; docs/operations.md says how
+
+
+def pools() -> SluiceConfig:
+    return load_config(DEPLOY / "pools.toml")
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    return data
+
+
+def manifests() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def settings_from(cls: type[BaseSettings], env: dict[str, str]) -> BaseSettings:
+    """Build a service's settings from SLUICE_* values exactly as the process would; unknown names fail."""
+    fields = {}
+    for name, value in env.items():
+        assert name.startswith("SLUICE_"), name
+        field = name.removeprefix("SLUICE_").lower()
+        assert field in cls.model_fields, f"{name} is not a setting of {cls.__name__}"
+        fields[field] = value
+    return cls.model_validate(fields)
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:?message} with a stand-in value, as `docker compose config` would with VAR set."""
+    return re.sub(r"\$\{[A-Z_]+(:\?[^}]*)?\}", "stand-in", value)
+
+
+# compose
+
+
+def test_compose_services_settings_and_files_are_consistent() -> None:
+    spec = compose()
+    services: dict[str, Any] = spec["services"]
+    for name, svc in services.items():
+        assert svc.get("image"), f"{name} has no image"
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        if "build" in svc:
+            assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+        for mount in svc.get("volumes", []):
+            source = mount.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"{name} mounts missing {source}"
+        for config in svc.get("configs", []):
+            assert config["source"] in spec["configs"]
+        environment = svc.get("environment", {})
+        env = {k: interpolate(str(v)) for k, v in environment.items() if k.startswith("SLUICE_")}
+        if svc["image"].startswith("ghcr.io/sluice-llm/"):
+            settings = settings_from(SETTINGS[svc["command"][0]], env)
+            assert isinstance(settings, BusSettings)
+            (mount,) = [c for c in svc["configs"] if c["source"] == "pools"]
+            assert settings.config == Path(mount["target"])
+    for config in spec["configs"].values():
+        assert (DEPLOY / config["file"]).is_file()
+
+
+def test_compose_has_a_dispatcher_and_a_gpu_worker_per_pool() -> None:
+    services = compose()["services"]
+    for pool in pools().pools:
+        assert services[f"dispatcher-{pool.name}"]["command"] == ["dispatcher", "--pool", pool.name]
+        worker = services[f"worker-{pool.name}"]
+        assert worker["command"] == ["worker", "--pool", pool.name]
+        (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert device["count"] == pool.tensor_parallel_size
+        assert "gpu" in device["capabilities"]
+        state_file = worker["environment"]["SLUICE_STATE_FILE"]
+        assert state_file in " ".join(worker["healthcheck"]["test"])
+        assert worker["shm_size"]
+
+
+def test_prometheus_scrapes_every_compose_service_on_its_port() -> None:
+    services = compose()["services"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    expected = set()
+    for name, svc in services.items():
+        env = svc.get("environment", {})
+        http_port = env.get("SLUICE_PORT") if name in ("ingress", "scaler") else None
+        port = env.get("SLUICE_METRICS_PORT") or http_port
+        if port:
+            expected.add(f"{name}:{port}")
+    assert targets == expected
+
+
+# Kubernetes
+
+
+def containers() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for doc in manifests():
+        if doc["kind"] in ("Deployment", "Job"):
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                yield doc, c
+
+
+def test_manifests_validate_against_the_kubernetes_schemas() -> None:
+    docs = manifests()
+    assert {d["kind"] for d in docs} >= {
+        "Namespace", "ConfigMap", "Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "Job",
+    }  # fmt: skip
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_manifest_settings_configmaps_and_secrets_are_consistent() -> None:
+    docs = manifests()
+    config_maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+    # The pool file in the ConfigMap is the one the compose file mounts.
+    assert config_maps["sluice-pools"]["pools.toml"].strip() == (DEPLOY / "pools.toml").read_text().strip()
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    for secret in SECRETS:
+        assert secret in operations, f"docs/operations.md does not say how to create {secret}"
+    for doc, c in containers():
+        spec = doc["spec"]["template"]["spec"]
+        env: dict[str, str] = {}
+        for source in c.get("envFrom", []):
+            env.update(config_maps[source["configMapRef"]["name"]])
+        for var in c.get("env", []):
+            ref = var.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                assert ref["secretKeyRef"]["name"] in SECRETS
+            env[var["name"]] = var.get("value", "from-" + next(iter(ref), "value").lower())
+        settings = settings_from(SETTINGS[c["args"][0]], env)
+        assert isinstance(settings, BusSettings)
+        assert settings.kafka_security_protocol == "SASL_SSL"
+        assert settings.redis_url.startswith("rediss://")
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for mount in c.get("volumeMounts", []):
+            assert mount["name"] in volumes
+            volume = volumes[mount["name"]]
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in config_maps
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in SECRETS
+        mounted = {m["mountPath"] for m in c.get("volumeMounts", [])}
+        assert str(settings.config) in mounted
+        assert str(settings.kafka_ssl_cafile).rsplit("/", 1)[0] in mounted
+        annotations = doc["spec"]["template"].get("metadata", {}).get("annotations", {})
+        if "prometheus.io/port" in annotations:
+            ports = {p["containerPort"] for p in c["ports"]}
+            assert int(annotations["prometheus.io/port"]) in ports
+
+
+def test_services_select_their_deployments_ports() -> None:
+    docs = manifests()
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        selector = svc["spec"]["selector"]
+        (target,) = [
+            d for d in deployments if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        names = {p["name"] for c in target["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in names
+
+
+def test_gpu_workers_scaler_rbac_and_readiness_follow_the_pools() -> None:
+    docs = manifests()
+    scaler_env = dict(
+        (v["name"], v.get("value")) for doc, c in containers() if c["args"][0] == "scaler" for v in c["env"]
+    )
+    workload = scaler_env["SLUICE_KUBERNETES_WORKLOAD"]
+    assert scaler_env["SLUICE_BACKEND"] == "kubernetes"
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "sluice-scaler"]
+    (scale_rule,) = [r for r in role["rules"] if "deployments/scale" in r["resources"]]
+    assert set(scale_rule["resourceNames"]) == {workload.format(pool=p.name) for p in pools().pools}
+    assert set(scale_rule["verbs"]) == {"get", "patch"}
+    assert all("deployments" not in r["resources"] for r in role["rules"]), "only the scale subresource"
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == "sluice-scaler"
+    assert binding["subjects"][0]["name"] == "sluice-scaler"
+    (scaler_deployment,) = [d for d, c in containers() if c["args"][0] == "scaler"]
+    assert scaler_deployment["spec"]["template"]["spec"]["serviceAccountName"] == "sluice-scaler"
+    for pool in pools().pools:
+        (worker,) = [d for d in docs if d["metadata"]["name"] == workload.format(pool=pool.name)]
+        spec = worker["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        assert c["args"] == ["worker", "--pool", pool.name]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == pool.tensor_parallel_size
+        env = {v["name"]: v for v in c["env"]}
+        assert env["SLUICE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        state_file = env["SLUICE_STATE_FILE"]["value"]
+        assert c["readinessProbe"]["exec"]["command"] == ["grep", "-qx", "ready", state_file]
+        shm = {v["name"]: v for v in spec["volumes"]}["dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        drain = float(env["SLUICE_DRAIN_TIMEOUT_S"]["value"])
+        assert spec["terminationGracePeriodSeconds"] > drain
+
+
+# Grafana
+
+
+def exported_metric_names() -> set[str]:
+    for module in (ingress.metrics, scaler.metrics, dispatcher.metrics):
+        assert module.__name__  # imported: their collectors are in the default registry
+    names = set()
+    for metric in REGISTRY.collect():
+        names.add(metric.name)
+        for sample in metric.samples:
+            names.add(sample.name)
+    # Histograms and labelled series show no samples until used; add their standard series names.
+    for collector in list(REGISTRY._names_to_collectors.values()):
+        base = getattr(collector, "_name", None)
+        if base:
+            names |= {base, f"{base}_bucket", f"{base}_total", f"{base}_count", f"{base}_sum"}
+    return names
+
+
+def test_grafana_panels_query_metrics_the_services_export() -> None:
+    import json
+
+    dashboard = json.loads((DEPLOY / "grafana" / "sluice-dashboard.json").read_text())
+    exported = exported_metric_names()
+    queried = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"\b(sluice_[a-z_]+)\b", target["expr"]))
+    missing = queried - exported
+    assert not missing, f"the dashboard queries metrics nothing exports: {sorted(missing)}"
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for topic in ("lag", "first token", "inter-token", "queue wait", "kv", "prefix", "replicas", "quota"):
+        assert topic in titles, f"no panel about {topic}"
+
+
+@pytest.mark.parametrize(
+    "path", ["grafana/provisioning/datasources/prometheus.yaml", "prometheus/prometheus.yml"]
+)
+def test_monitoring_configuration_parses(path: str) -> None:
+    assert yaml.safe_load((DEPLOY / path).read_text())
