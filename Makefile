@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit install clean
+.PHONY: run test lint typecheck unit install browser clean
 
 $(STAMP): pyproject.toml infra/install_engine.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+# The dashboard's browser test drives Debian's Chromium through its chromedriver.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; }
+
+test: lint typecheck browser
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
 
 clean:

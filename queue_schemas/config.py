@@ -109,7 +109,9 @@ class PoolConfig(BaseModel):
     partitions: int = Field(default=4, gt=0)
     tensor_parallel_size: int = Field(default=1, gt=0)
     max_queued: int = Field(
-        default=2000, gt=0, description="admission refuses new requests while lag + held requests reach this"
+        default=2000,
+        gt=0,
+        description="admission refuses new requests while the lag (held ones included) reaches this",
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()

@@ -236,7 +236,7 @@ class PoolState(Message):
 
     @property
     def backlog(self) -> int:
-        return self.lag + self.held
+        return self.lag  # held requests are uncommitted, so `lag` counts them already
 
 
 class KvEventKind(StrEnum):

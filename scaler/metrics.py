@@ -7,7 +7,7 @@ LAG_STATUS = Gauge(
     "sluice_lag_status", "1 for the pool's current lag status (Burrow's terms)", ["pool", "status"]
 )
 HELD = Gauge("sluice_pool_held", "Requests held by the pool's dispatchers", ["pool"])
-BACKLOG = Gauge("sluice_pool_backlog", "Lag + held + undelivered inbox entries", ["pool"])
+BACKLOG = Gauge("sluice_pool_backlog", "Lag (held requests included) + undelivered inbox entries", ["pool"])
 ARRIVAL = Gauge("sluice_pool_arrival_rate", "Requests per second arriving, smoothed", ["pool"])
 FORECAST = Gauge("sluice_pool_forecast_rate", "Arrival rate forecast one replica start-up ahead", ["pool"])
 CAPACITY = Gauge(

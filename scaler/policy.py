@@ -44,7 +44,7 @@ class ScalingPolicy:
 @dataclass(frozen=True)
 class PoolSignals:
     now: float
-    backlog: int  # consumer lag + requests held by dispatchers + undelivered inbox entries
+    backlog: int  # consumer lag (held requests included: they are uncommitted) + undelivered inbox entries
     arrival_rate: float  # requests per second
     arrival_trend: float  # requests per second, per second
     ready: int

@@ -196,7 +196,7 @@ class Scaler:
         rate, trend = c.estimator.observe(now, lag.end_total)
         c.measures.observe(beats)
         launching = self.backend.launching(name, {hb.worker_id for hb in beats})
-        signals = pool_signals(now, lag.total, held, beats, launching, rate, trend, c.measures)
+        signals = pool_signals(now, lag.total, beats, launching, rate, trend, c.measures)
         # decide
         verdict = decide(signals, c.policy, c.memory)
         ready = [hb for hb in beats if hb.state == "ready"]

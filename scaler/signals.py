@@ -52,7 +52,6 @@ class ReplicaMeasures:
 def pool_signals(
     now: float,
     lag: int,
-    held: int,
     beats: Sequence[Heartbeat],
     launching: int,
     arrival_rate: float,
@@ -64,7 +63,9 @@ def pool_signals(
     by_state = {state: sum(1 for hb in fresh if hb.state is state) for state in WorkerState}
     return PoolSignals(
         now=now,
-        backlog=lag + held + sum(hb.inbox_pending for hb in fresh),
+        # Held requests are not committed, so the lag already counts them; placed ones waiting in an
+        # inbox are committed and are not in the lag any more.
+        backlog=lag + sum(hb.inbox_pending for hb in fresh),
         arrival_rate=arrival_rate,
         arrival_trend=arrival_trend,
         ready=by_state[WorkerState.READY],

@@ -45,8 +45,8 @@ class SluiceScaler:
             for r in state.ready
         ]  # fmt: skip
         self.measures.observe(beats)
-        held = state.backlog - sum(len(r.waiting) for r in state.ready)
-        signals = pool_signals(state.now, 0, held, beats, state.starting, rate, trend, self.measures)
+        held = state.backlog - sum(len(r.waiting) for r in state.ready)  # the hold stands for the lag
+        signals = pool_signals(state.now, held, beats, state.starting, rate, trend, self.measures)
         signals = dataclasses.replace(signals, backlog=state.backlog, draining=state.draining)
         return decide(signals, self.policy, self.memory).target
 

@@ -7,8 +7,8 @@ the CA. A streamed request that crosses all of them shows each service started a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -80,8 +80,13 @@ def test_every_service_runs_over_tls_with_settings_only(
     assert finishes == ["stop"] or finishes == ["length"]
     assert chunks[-1].usage is not None
 
-    # The scaler read lag and heartbeats through the proxies too.
-    pools = httpx.get(endpoints.scaler_url + "/api/dashboard", timeout=5).json()["pools"]
+    # The scaler read lag and heartbeats through the proxies too (its report follows within a few ticks).
+    deadline = time.monotonic() + 30
+    while True:
+        pools = httpx.get(endpoints.scaler_url + "/api/dashboard", timeout=5).json()["pools"]
+        if (pools and pools[0]["replicas"]["ready"] >= 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     (sim,) = pools
     assert sim["replicas"]["ready"] >= 1
     assert sim["workers"], "heartbeats reached the scaler"
@@ -92,7 +97,7 @@ def test_every_service_runs_over_tls_with_settings_only(
 
 
 def test_a_plain_client_is_refused_by_the_tls_endpoint(
-    tls_stack: tuple[Endpoints, dict[str, TlsProxy]], tmp_path: Path
+    tls_stack: tuple[Endpoints, dict[str, TlsProxy]],
 ) -> None:
     import redis
 

@@ -66,9 +66,10 @@ def test_pool_signals_count_states_backlog_and_launching() -> None:
         beat("c", WorkerState.DRAINING),
         beat("old", sent_at=900.0),  # expired
     ]
-    s = pool_signals(1000.0, lag=10, held=2, beats=beats, launching=1, arrival_rate=1.0, arrival_trend=0.0,
+    s = pool_signals(1000.0, lag=10, beats=beats, launching=1, arrival_rate=1.0, arrival_trend=0.0,
                      measures=m)  # fmt: skip
-    assert (s.ready, s.starting, s.draining, s.backlog) == (1, 2, 1, 15)
+    # Held requests are inside the lag (uncommitted); inbox entries are placed and committed.
+    assert (s.ready, s.starting, s.draining, s.backlog) == (1, 2, 1, 13)
 
 
 def test_spec_decoding_auto_has_hysteresis() -> None:

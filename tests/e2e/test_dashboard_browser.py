@@ -1,0 +1,169 @@
+"""The live dashboard in headless Chromium (Debian's package, driven through its chromedriver).
+
+A dev stack with one slow pool: the page shows lag 0 and one ready replica, a backlog of requests makes
+the page's lag rise and the scaler's replica figures move, without reloading. Screenshots of both states
+are kept under test-artifacts/ (or $SLUICE_TEST_ARTIFACTS). `sluice lag --once` prints the same pool.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from infra.devstack import DevStack, Endpoints
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+ARTIFACTS = Path(os.environ.get("SLUICE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
+REQUESTS = 24
+
+POOLS = """
+[[pools]]
+name = "slow"
+model = "sluice-slow"
+max_queued = 1000
+[pools.simulated]
+ttft_ms = 20
+token_ms = 40
+max_running = 1
+min_words = 20
+max_words = 20
+[pools.scaling]
+min_replicas = 1
+max_replicas = 3
+startup_s = 5
+queue_slo_s = 2
+cooldown_s = 600
+"""
+
+FAST = {
+    "SLUICE_TICK_S": "0.5",
+    "SLUICE_HEARTBEAT_INTERVAL_S": "0.2",
+    "SLUICE_HOLD_CAPACITY": "2",  # held requests stay in the topic's lag once the hold is full
+    "SLUICE_MAX_QUEUE": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
+    workdir = tmp_path_factory.mktemp("dashboard-stack")
+    config = workdir / "pools.toml"
+    config.write_text(POOLS)
+    dev = DevStack(workdir, config_path=config, extra_env=FAST)
+    try:
+        yield dev.start()
+    finally:
+        dev.stop()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    assert not missing, f"{missing} not installed: `make test` installs Debian's chromium and chromium-driver"
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--window-size=1280,1400", f"--user-data-dir={tmp_path / 'profile'}",
+    ):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def figure(driver: webdriver.Chrome, pool: str, field: str) -> str:
+    selector = f'section[data-pool="{pool}"] [data-field="{field}"]'
+    return str(driver.find_element(By.CSS_SELECTOR, selector).text)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # the page redraws its sections every second; read again
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the dashboard did not show {what} within {timeout:.0f} s")
+
+
+def send_backlog(endpoints: Endpoints, statuses: list[int]) -> None:
+    headers = {"Authorization": f"Bearer {endpoints.api_key}"}
+    body = {"model": "sluice-slow", "messages": [{"role": "user", "content": "a backlog"}]}
+
+    def one(_: int) -> int:
+        r = httpx.post(endpoints.url + "/v1/chat/completions", json=body, headers=headers, timeout=180)
+        return r.status_code
+
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        statuses.extend(pool.map(one, range(REQUESTS)))
+
+
+def test_dashboard_shows_lag_and_replicas_change_under_a_backlog(
+    stack: Endpoints, browser: webdriver.Chrome
+) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.get(stack.scaler_url + "/dashboard")
+    wait_for("the pool at rest", lambda: figure(browser, "slow", "ready") == "1", 30)
+    assert figure(browser, "slow", "lag") == "0"
+    assert figure(browser, "slow", "status") == "OK"
+    rows = browser.find_elements(By.CSS_SELECTOR, 'section[data-pool="slow"] tr[data-worker]')
+    assert [r.get_attribute("data-worker") for r in rows] == ["slow-w0"]
+    updates_before = int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-updates") or 0)
+    browser.save_screenshot(str(ARTIFACTS / "dashboard-at-rest.png"))
+
+    statuses: list[int] = []
+    sender = threading.Thread(target=send_backlog, args=(stack, statuses))
+    sender.start()
+    try:
+        wait_for("lag above zero", lambda: int(figure(browser, "slow", "lag")) > 0, 30)
+        peak_lag = int(figure(browser, "slow", "lag"))
+        wait_for(
+            "the scaler adding replicas",
+            lambda: (
+                int(figure(browser, "slow", "desired")) > 1
+                and int(figure(browser, "slow", "starting")) + int(figure(browser, "slow", "ready")) > 1
+            ),
+            60,
+        )
+        browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+        wait_for("a second worker's row", lambda: len(browser.find_elements(
+            By.CSS_SELECTOR, 'section[data-pool="slow"] tr[data-worker]')) > 1, 60)  # fmt: skip
+    finally:
+        sender.join(240)
+    updates_after = int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-updates") or 0)
+    assert updates_after > updates_before + 5, "the page kept refreshing itself"
+    assert peak_lag > 0
+    assert statuses == [200] * REQUESTS, "every request of the backlog was served"
+    wait_for("the backlog drained", lambda: figure(browser, "slow", "lag") == "0", 60)
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+
+    # The terminal view reads the same endpoint.
+    sluice = shutil.which("sluice", path=str(Path(sys.executable).parent)) or "sluice"
+    out = subprocess.run(
+        [sluice, "lag", "--once", "--scaler", stack.scaler_url],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "slow" in out.stdout
+    assert "slow-w0" in out.stdout
