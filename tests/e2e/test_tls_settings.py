@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,7 +31,9 @@ token_ms = 2
 
 
 @pytest.fixture(scope="module")
-def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Endpoints, dict[str, TlsProxy]]]:
+def tls_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Endpoints, dict[str, TlsProxy], Path]]:
     workdir = tmp_path_factory.mktemp("tls-stack")
     certs = make_certificates(workdir)
     config = workdir / "pools.toml"
@@ -48,11 +51,11 @@ def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Endpoi
     }
     stack = DevStack(
         workdir, config_path=config, front=front, security=security, redis_tls=True,
-        extra_env={"SLUICE_KAFKA_FETCH_WAIT_MS": "20"},
+        extra_env={"SLUICE_KAFKA_FETCH_WAIT_MS": "20", "SLUICE_STATE_FILE": str(workdir / "worker-state")},
     )  # fmt: skip
     try:
         endpoints = stack.start()
-        yield endpoints, proxies
+        yield endpoints, proxies, workdir / "worker-state"
     finally:
         stack.stop()
         for proxy in proxies.values():
@@ -60,9 +63,9 @@ def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Endpoi
 
 
 def test_every_service_runs_over_tls_with_settings_only(
-    tls_stack: tuple[Endpoints, dict[str, TlsProxy]],
+    tls_stack: tuple[Endpoints, dict[str, TlsProxy], Path],
 ) -> None:
-    endpoints, proxies = tls_stack
+    endpoints, proxies, state_file = tls_stack
     assert endpoints.kafka_bootstrap == f"127.0.0.1:{proxies['kafka'].port}"
     assert endpoints.redis_url.startswith("rediss://")
 
@@ -91,17 +94,20 @@ def test_every_service_runs_over_tls_with_settings_only(
     assert sim["replicas"]["ready"] >= 1
     assert sim["workers"], "heartbeats reached the scaler"
 
+    # The state a readiness probe reads (`grep -qx ready`), written by the one worker.
+    assert state_file.read_text() == "ready\n"
+
     # ingress, dispatcher, scaler, worker and the stack itself: many TLS sessions on each proxy.
     assert proxies["kafka"].handshakes >= 4
     assert proxies["redis"].handshakes >= 4
 
 
 def test_a_plain_client_is_refused_by_the_tls_endpoint(
-    tls_stack: tuple[Endpoints, dict[str, TlsProxy]],
+    tls_stack: tuple[Endpoints, dict[str, TlsProxy], Path],
 ) -> None:
     import redis
 
-    endpoints, _ = tls_stack
+    endpoints, _, _ = tls_stack
     plain = redis.Redis.from_url(endpoints.redis_url.replace("rediss://", "redis://"), socket_timeout=2)
     with pytest.raises(redis.exceptions.ConnectionError):
         plain.ping()
