@@ -112,7 +112,7 @@ def main() -> None:
             quiet, _ = asyncio.run(
                 run_many(endpoints, "sluice-sim", args.streams, args.requests, args.tokens)
             )
-            q50, q99 = summary("alone", [t for t, _, _ in quiet])
+            q50, q99 = summary("alone", [t for t, *_ in quiet])
 
             counts = [0, 0]
 
@@ -126,7 +126,7 @@ def main() -> None:
                 phase_s = time.perf_counter() - t0
                 stop.set()
                 await counter
-                return [t for t, _, _ in results], await producing, phase_s
+                return [t for t, *_ in results], await producing, phase_s
 
             ttfts, produce_s, phase_s = asyncio.run(flooded())
             f50, f99 = summary(f"beside {args.batch} batch", ttfts)

@@ -9,8 +9,9 @@ Phase 2 (saturation): N clients sending short requests (16 tokens at 1 ms) back 
 the stack sustains and the time to first token at that rate.
 Phase 3 (relay): long streams at 1 ms per token; chunks per second one ingress process relays to clients.
 
-Run: `.venv/bin/python -m bench.pipeline_latency`. Client, broker, Redis and every service share the
-machine, so the figures include their contention.
+Run: `.venv/bin/python -m bench.pipeline_latency [--all-pools]`. Client, broker, Redis and every service
+share the machine, so the figures include their contention. Each phase gets a stack with only its pool,
+unless --all-pools asks for one stack with all three.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -85,8 +87,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def one_stream(
     client: httpx.AsyncClient, endpoints: Endpoints, model: str, i: int, max_tokens: int
-) -> tuple[float, int, int]:
-    """(seconds to first content, content chunks, prompt tokens) of one streamed request."""
+) -> tuple[float, int, int, int]:
+    """(seconds to first content, content chunks, prompt and completion tokens) of one streamed request."""
     body = {
         "model": model,
         "stream": True,
@@ -98,7 +100,7 @@ async def one_stream(
     t0 = time.perf_counter()
     ttft = None
     chunks = 0
-    prompt_tokens = 0
+    prompt_tokens = completion_tokens = 0
     async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
@@ -109,22 +111,23 @@ async def one_stream(
                     ttft = time.perf_counter() - t0
             elif '"prompt_tokens":' in line:
                 prompt_tokens = int(line.split('"prompt_tokens":')[1].split(",")[0])
+                completion_tokens = int(line.split('"completion_tokens":')[1].split(",")[0].rstrip("}"))
             if line == "data: [DONE]":
                 break
     if ttft is None:
         raise RuntimeError("stream ended without content")
-    return ttft, chunks, prompt_tokens
+    return ttft, chunks, prompt_tokens, completion_tokens
 
 
 async def run_many(
     endpoints: Endpoints, model: str, concurrency: int, requests: int, max_tokens: int
-) -> tuple[list[tuple[float, int, int]], float]:
+) -> tuple[list[tuple[float, int, int, int]], float]:
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         await one_stream(client, endpoints, model, -1, max_tokens)  # warm connections and consumers
         sem = asyncio.Semaphore(concurrency)
 
-        async def bounded(i: int) -> tuple[float, int, int]:
+        async def bounded(i: int) -> tuple[float, int, int, int]:
             async with sem:
                 return await one_stream(client, endpoints, model, i, max_tokens)
 
@@ -135,7 +138,7 @@ async def run_many(
 
 def added_latency(endpoints: Endpoints, model: str, max_tokens: int, concurrency: int, requests: int) -> None:
     results, wall = asyncio.run(run_many(endpoints, model, concurrency, requests, max_tokens))
-    added = [(ttft * 1000) - prompt * PROMPT_MS_PER_TOKEN for ttft, _, prompt in results]
+    added = [(ttft * 1000) - prompt * PROMPT_MS_PER_TOKEN for ttft, _, prompt, _ in results]
     p50, p90, p99 = statistics.median(added), percentile(added, 0.9), percentile(added, 0.99)
     print(
         f"  {concurrency:>3} streams  {requests:>4} requests  added TTFT ms  "
@@ -145,11 +148,32 @@ def added_latency(endpoints: Endpoints, model: str, max_tokens: int, concurrency
 
 def relay_rate(endpoints: Endpoints, concurrency: int) -> None:
     results, wall = asyncio.run(run_many(endpoints, "sluice-long", concurrency, concurrency, 2000))
-    chunks = sum(c for _, c, _ in results)
+    chunks = sum(c for _, c, _, _ in results)
+    tokens = sum(t for _, _, _, t in results)
     print(
-        f"  {concurrency:>3} streams  {chunks:>6} chunks in {wall:5.2f} s"
-        f"  = {chunks / wall:7.0f} chunks/s relayed"
+        f"  {concurrency:>3} streams  {tokens:>6} tokens in {chunks:>6} chunks in {wall:5.2f} s"
+        f"  = {tokens / wall:7.0f} tokens/s, {chunks / wall:6.0f} chunks/s relayed"
     )
+
+
+def pool_config(name: str) -> str:
+    """The one pool a phase uses: an idle pool's dispatcher still long-polls the dev broker (Tansu answers
+    a waiting fetch only when its wait expires), which costs these 2 cores about a tenth of one each."""
+    (section,) = [p for p in CONFIG.split("[[pools]]")[1:] if f'name = "{name}"' in p]
+    return "[[pools]]" + section
+
+
+def with_stack(pools: str, fetch_wait_ms: int, phase: Callable[[Endpoints], None]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "pools.toml"
+        config.write_text(pools)
+        env = {"SLUICE_KAFKA_FETCH_WAIT_MS": str(fetch_wait_ms)}
+        stack = DevStack(Path(tmp) / "stack", config_path=config, extra_env=env)
+        endpoints = stack.start()
+        try:
+            phase(endpoints)
+        finally:
+            stack.stop()
 
 
 def main() -> None:
@@ -162,26 +186,41 @@ def main() -> None:
     parser.add_argument(
         "--fetch-wait-ms", type=int, default=5, help="dispatcher fetch wait on the dev broker"
     )
+    parser.add_argument(
+        "--all-pools", action="store_true", help="one stack with the three pools for every phase"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        config.write_text(CONFIG)
-        env = {"SLUICE_KAFKA_FETCH_WAIT_MS": str(args.fetch_wait_ms)}
-        stack = DevStack(Path(tmp) / "stack", config_path=config, extra_env=env)
-        endpoints = stack.start()
-        try:
-            print(f"dev broker, dispatcher fetch wait {args.fetch_wait_ms} ms")
-            print("added time to first token, N streams open (100 tokens at 10 ms each; 2 workers)")
-            for level in args.concurrency:
-                added_latency(endpoints, "sluice-chat", 100, level, max(args.requests // 3, 3 * level))
-            print("saturation: N clients back to back (16 tokens at 1 ms each; 2 workers)")
-            for level in args.concurrency:
-                added_latency(endpoints, "sluice-sim", 16, level, args.requests)
-            print("SSE relay throughput of one ingress process (engine: 1 ms/token, 2000-token answers)")
-            for level in args.relay_streams:
-                relay_rate(endpoints, level)
-        finally:
-            stack.stop()
+    print(
+        f"dev broker, dispatcher fetch wait {args.fetch_wait_ms} ms, "
+        f"{'all three pools in one stack' if args.all_pools else 'a stack with only the pool of each phase'}"
+    )
+
+    def open_streams(endpoints: Endpoints) -> None:
+        print("added time to first token, N streams open (100 tokens at 10 ms each; 2 workers)")
+        for level in args.concurrency:
+            added_latency(endpoints, "sluice-chat", 100, level, max(args.requests // 3, 3 * level))
+
+    def saturation(endpoints: Endpoints) -> None:
+        print("saturation: N clients back to back (16 tokens at 1 ms each; 2 workers)")
+        for level in args.concurrency:
+            added_latency(endpoints, "sluice-sim", 16, level, args.requests)
+
+    def relay(endpoints: Endpoints) -> None:
+        print("SSE relay throughput of one ingress process (engine: 1 ms/token, 2000-token answers)")
+        for level in args.relay_streams:
+            relay_rate(endpoints, level)
+
+    phases = [("chat", open_streams), ("sim", saturation), ("long", relay)]
+    if args.all_pools:
+
+        def every_phase(endpoints: Endpoints) -> None:
+            for _, phase in phases:
+                phase(endpoints)
+
+        with_stack(CONFIG, args.fetch_wait_ms, every_phase)
+        return
+    for pool, phase in phases:
+        with_stack(pool_config(pool), args.fetch_wait_ms, phase)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from queue_schemas.messages import (
     TokenChunk,
     WorkerState,
 )
+from queue_schemas.publisher import PipelinedPublisher
 from queue_schemas.quota import settle
 from queue_schemas.state import follow_channel, publish_heartbeat
 
@@ -64,6 +65,7 @@ class Worker:
         self.names = settings.names
         self.engine = engine
         self.redis = redis
+        self.publisher = PipelinedPublisher(redis)
         self.model = model
         self.max_running = max_running
         self.state = WorkerState.STARTING
@@ -123,6 +125,7 @@ class Worker:
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(background, timeout=2.0)
             await self._retire()
+            await self.publisher.close()
             await self.answers.close()
             await self.engine.close()
 
@@ -291,7 +294,7 @@ class Worker:
         answer on the reply topic at the end."""
         request = out.request
         if request.batch is None:
-            await self.redis.publish(self.names.stream_channel(request.request_id), encode(chunk))
+            await self.publisher.publish(self.names.stream_channel(request.request_id), encode(chunk))
             return
         answer = out.add(chunk)
         if answer is not None:

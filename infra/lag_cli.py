@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import httpx
-from rich.console import Group
+from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -78,14 +78,17 @@ def fetch(url: str, client: httpx.Client) -> dict[str, Any]:
 
 
 def watch(url: str, interval_s: float, once: bool) -> None:
-    """Print the tables once, or redraw them every `interval_s` until interrupted."""
+    """Print the tables once, or redraw them every `interval_s` until interrupted (in a terminal; piped
+    output gets one full print per interval instead)."""
+    console = Console()
     with httpx.Client() as client:
-        if once:
-            from rich.console import Console
-
-            Console().print(render(fetch(url, client)))
-            return
-        with Live(render(fetch(url, client)), auto_refresh=False) as live:
+        if once or not console.is_terminal:
+            while True:
+                console.print(render(fetch(url, client)))
+                if once:
+                    return
+                time.sleep(interval_s)
+        with Live(render(fetch(url, client)), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval_s)
                 try:
