@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -23,26 +21,24 @@ from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import Engine, EngineError
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
+from gpu_workers.output import RequestOutput
+from gpu_workers.presence import CompletionRate, Vitals, beat_forever, heartbeat, leave_pool, write_state_file
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.starting import (
     BEGIN_SCRIPT,
-    FAILED_HEARTBEAT_TTL_MS,
     STARTED_MARK_TTL_MS,
     process_started_at,
     start_refusal,
 )
 from queue_schemas.answers import AnswerSink
-from queue_schemas.batch import BatchAnswer, completed_answer, failed_answer
-from queue_schemas.clients import BusUnavailable, producer_options, with_backoff
-from queue_schemas.codec import decode, encode
+from queue_schemas.clients import BusUnavailable, producer_options
+from queue_schemas.codec import decode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
     FinalChunk,
-    Heartbeat,
     InferenceRequest,
-    TokenChunk,
     WorkerState,
 )
 from queue_schemas.publisher import PipelinedPublisher
@@ -52,8 +48,6 @@ from queue_schemas.state import follow_channel, publish_heartbeat
 log = structlog.get_logger("sluice.worker")
 
 INBOX_FIELD = b"m"
-ANSWER_ATTEMPTS = 8
-MIN_HEARTBEAT_GAP_S = 0.05
 KV_PUBLISH_INTERVAL_S = 0.05
 
 
@@ -77,7 +71,7 @@ class Worker:
         self.inbox = Inbox(redis, self.names, settings.worker_id)
         self._inbox_seen_empty = False
         self.ready_at: float | None = None
-        self._completed: deque[float] = deque()
+        self.completions = CompletionRate()
         self._begin_script = redis.register_script(BEGIN_SCRIPT)
         self.kv = KvPublisher(redis, self.names, settings.worker_id)
         self.error: str | None = None
@@ -216,7 +210,7 @@ class Worker:
 
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
         """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
-        out = _Output(request)
+        out = RequestOutput(request, self.publisher, self.answers, self.names)
         coalescer = ChunkCoalescer(
             request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
         )
@@ -241,9 +235,9 @@ class Worker:
                     chunk = coalescer.add(piece, time.monotonic())
                     if isinstance(chunk, FinalChunk):
                         await self._settle(request, chunk.usage.total_tokens)
-                        self._completed.append(time.monotonic())
+                        self.completions.record(time.monotonic())
                     if chunk is not None:
-                        await self._emit(out, chunk)
+                        await out.emit(chunk)
         except EngineError as exc:
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
             await self._fail(out, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
@@ -273,7 +267,7 @@ class Worker:
             log.warning("quota not settled", request_id=request.request_id, error=str(exc))
 
     async def _fail(
-        self, out: _Output, coalescer: ChunkCoalescer, started: bool, code: str, message: str
+        self, out: RequestOutput, coalescer: ChunkCoalescer, started: bool, code: str, message: str
     ) -> None:
         """Settle what the engine really did (nothing, if it never started), then send the error chunk."""
         request = out.request
@@ -282,29 +276,12 @@ class Worker:
         pending = coalescer.flush()
         chunk = ErrorChunk(request_id=request.request_id, seq=coalescer.seq, code=code, message=message)
         if request.batch is not None:
-            await self._emit(out, chunk)  # a batch answer that cannot be delivered stays pending
+            await out.emit(chunk)  # a batch answer that cannot be delivered stays pending
             return
         with contextlib.suppress(RedisError):
             if pending is not None:
-                await self._emit(out, pending)
-            await self._emit(out, chunk)
-
-    async def _emit(self, out: _Output, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
-        """Stream the chunk to the client's channel; for a batch request, gather it and deliver the whole
-        answer on the reply topic at the end."""
-        request = out.request
-        if request.batch is None:
-            await self.publisher.publish(self.names.stream_channel(request.request_id), encode(chunk))
-            return
-        answer = out.add(chunk)
-        if answer is not None:
-            topic = request.reply_topic
-            assert topic is not None
-            await with_backoff(
-                lambda: self.answers.deliver(topic, request.request_id, answer),
-                "delivering a batch answer",
-                attempts=ANSWER_ATTEMPTS,
-            )
+                await out.emit(pending)
+            await out.emit(chunk)
 
     async def _ack(self, entry_id: bytes) -> None:
         await self.inbox.done(entry_id)
@@ -332,63 +309,25 @@ class Worker:
                 log.warning("kv events not published", error=str(exc))
 
     async def _heartbeat_loop(self) -> None:
-        """A heartbeat every interval, and one soon after a request ends (at most every
-        MIN_HEARTBEAT_GAP_S), so dispatchers see freed slots before the next regular one."""
-        while True:
-            self._beat_soon.clear()
-            sent = time.monotonic()
-            try:
-                await self._publish_heartbeat()
-            except RedisError as exc:
-                log.warning("heartbeat failed", error=str(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_soon.wait(), self.settings.heartbeat_interval_s)
-            await asyncio.sleep(max(0.0, MIN_HEARTBEAT_GAP_S - (time.monotonic() - sent)))
-
-    def _completion_rate(self, window_s: float = 10.0) -> float:
-        now = time.monotonic()
-        while self._completed and now - self._completed[0] > window_s:
-            self._completed.popleft()
-        return len(self._completed) / window_s
+        await beat_forever(self._publish_heartbeat, self.settings.heartbeat_interval_s, self._beat_soon)
 
     async def _publish_heartbeat(self) -> None:
         # Awaited before the fields are read, so one heartbeat never mixes states from either side of it.
         inbox_pending = await self.inbox.undelivered()
-        stats = self.engine.stats()
         self._hb_seq += 1
-        hb = Heartbeat(
-            worker_id=self.settings.worker_id,
-            pool=self.settings.pool,
-            model=self.model,
-            state=self.state,
-            seq=self._hb_seq,
-            sent_at=time.time(),
-            ttl_ms=FAILED_HEARTBEAT_TTL_MS
-            if self.state is WorkerState.FAILED
-            else self.settings.heartbeat_ttl_ms,
-            kv_blocks_total=stats.kv_blocks_total,
-            kv_blocks_free=stats.kv_blocks_free,
-            block_size=stats.block_size,
-            running=stats.running,
-            waiting=stats.waiting,
-            inbox_pending=inbox_pending,
-            max_running=self.max_running,
-            decode_tokens_per_s=stats.decode_tokens_per_s,
-            started_at=self.started_at,
-            load_seconds=self.load_seconds,
-            kv_events=True,
-            kv_index_seq=self.kv.seq,
-            spec_decoding=self.settings.spec_decoding,
-            ready_at=self.ready_at,
-            completed_per_s=self._completion_rate(),
-            tensor_parallel_size=self.tensor_parallel_size,
-            prefix_query_tokens=stats.prefix_query_tokens,
-            prefix_hit_tokens=stats.prefix_hit_tokens,
-            error=self.error,
-        )
+        hb = heartbeat(
+            self.settings, self.model, self.vitals(), self.engine.stats(), inbox_pending,
+            seq=self._hb_seq, kv_seq=self.kv.seq, completed_per_s=self.completions.rate(time.monotonic()),
+        )  # fmt: skip
         await publish_heartbeat(self.redis, self.names, hb)
         if self.settings.state_file is not None:
             write_state_file(self.settings.state_file, hb.state)
+
+    def vitals(self) -> Vitals:
+        return Vitals(
+            self.state, self.started_at, self.load_seconds, self.ready_at, self.error,
+            self.max_running, self.tensor_parallel_size,
+        )  # fmt: skip
 
     async def _publish_heartbeat_quietly(self) -> None:
         with contextlib.suppress(RedisError):
@@ -397,46 +336,4 @@ class Worker:
     async def _retire(self) -> None:
         if self.settings.state_file is not None:
             write_state_file(self.settings.state_file, "stopped")
-        """Leave the pool. Entries still in the inbox stay there with our membership, and the missing
-        heartbeat makes a dispatcher take them over at once. A failed worker leaves its `failed` heartbeat
-        and membership for ops to see; dispatchers treat it as gone and clean up after it."""
-        names = self.names
-        failed = self.state is WorkerState.FAILED
-        with contextlib.suppress(RedisError):
-            left = await self.inbox.length()
-            async with self.redis.pipeline(transaction=False) as pipe:
-                if not failed:
-                    pipe.delete(names.heartbeat(self.settings.pool, self.settings.worker_id))
-                if not left and not failed:
-                    pipe.srem(names.workers(self.settings.pool), self.settings.worker_id)
-                    pipe.delete(
-                        names.kv_index(self.settings.worker_id), names.kv_snapshot(self.settings.worker_id)
-                    )
-                await pipe.execute()
-            if left:
-                log.warning("left unfinished entries for a dispatcher to take over", entries=left)
-        log.info("worker stopped", worker=self.settings.worker_id)
-
-
-class _Output:
-    """Where a request's chunks go; a batch request's text is gathered into one answer."""
-
-    def __init__(self, request: InferenceRequest) -> None:
-        self.request = request
-        self._parts: list[str] = []
-
-    def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:
-        """The batch answer once `chunk` ends the request, else None."""
-        if isinstance(chunk, ErrorChunk):
-            return failed_answer(self.request, chunk.code, chunk.message)
-        self._parts.append(chunk.text)
-        if isinstance(chunk, FinalChunk):
-            return completed_answer(self.request, "".join(self._parts), chunk.finish_reason, chunk.usage)
-        return None
-
-
-def write_state_file(path: Path, state: str) -> None:
-    """The worker's state for a readiness probe (`grep -qx ready FILE`), replaced atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(state + "\n")
-    tmp.replace(path)
+        await leave_pool(self.redis, self.settings, self.inbox, failed=self.state is WorkerState.FAILED)

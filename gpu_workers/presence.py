@@ -1,0 +1,142 @@
+"""A worker's presence in its pool: the heartbeat it publishes, the state file probes read, and leaving.
+
+`heartbeat` is pure: it turns what the worker knows of itself and its engine into the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from gpu_workers.engine import EngineStats
+from gpu_workers.inbox import Inbox
+from gpu_workers.settings import WorkerSettings
+from gpu_workers.starting import FAILED_HEARTBEAT_TTL_MS
+from queue_schemas.messages import Heartbeat, WorkerState
+
+log = structlog.get_logger("sluice.worker")
+
+MIN_HEARTBEAT_GAP_S = 0.05
+
+
+@dataclass(frozen=True)
+class Vitals:
+    """The worker's own state, as of one heartbeat."""
+
+    state: WorkerState
+    started_at: float
+    load_seconds: float | None
+    ready_at: float | None
+    error: str | None
+    max_running: int
+    tensor_parallel_size: int
+
+
+class CompletionRate:
+    """Requests finished per second over a trailing window."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+
+    def rate(self, now: float) -> float:
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        return len(self._times) / self.window_s
+
+
+def heartbeat(
+    settings: WorkerSettings,
+    model: str,
+    vitals: Vitals,
+    stats: EngineStats,
+    inbox_pending: int,
+    *,
+    seq: int,
+    kv_seq: int,
+    completed_per_s: float,
+) -> Heartbeat:
+    failed = vitals.state is WorkerState.FAILED
+    return Heartbeat(
+        worker_id=settings.worker_id,
+        pool=settings.pool,
+        model=model,
+        state=vitals.state,
+        seq=seq,
+        sent_at=time.time(),
+        ttl_ms=FAILED_HEARTBEAT_TTL_MS if failed else settings.heartbeat_ttl_ms,
+        kv_blocks_total=stats.kv_blocks_total,
+        kv_blocks_free=stats.kv_blocks_free,
+        block_size=stats.block_size,
+        running=stats.running,
+        waiting=stats.waiting,
+        inbox_pending=inbox_pending,
+        max_running=vitals.max_running,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+        started_at=vitals.started_at,
+        load_seconds=vitals.load_seconds,
+        kv_events=True,
+        kv_index_seq=kv_seq,
+        spec_decoding=settings.spec_decoding,
+        ready_at=vitals.ready_at,
+        completed_per_s=completed_per_s,
+        tensor_parallel_size=vitals.tensor_parallel_size,
+        prefix_query_tokens=stats.prefix_query_tokens,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        error=vitals.error,
+    )
+
+
+async def beat_forever(
+    publish: Callable[[], Awaitable[None]], interval_s: float, soon: asyncio.Event
+) -> None:
+    """A heartbeat every interval, and one soon after `soon` is set (a request ended; at most every
+    MIN_HEARTBEAT_GAP_S), so dispatchers see freed slots before the next regular one."""
+    while True:
+        soon.clear()
+        sent = time.monotonic()
+        try:
+            await publish()
+        except RedisError as exc:
+            log.warning("heartbeat failed", error=str(exc))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(soon.wait(), interval_s)
+        await asyncio.sleep(max(0.0, MIN_HEARTBEAT_GAP_S - (time.monotonic() - sent)))
+
+
+def write_state_file(path: Path, state: str) -> None:
+    """The worker's state for a readiness probe (`grep -qx ready FILE`), replaced atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(state + "\n")
+    tmp.replace(path)
+
+
+async def leave_pool(redis: aioredis.Redis, settings: WorkerSettings, inbox: Inbox, *, failed: bool) -> None:
+    """Leave the pool. Entries still in the inbox stay there with our membership, and the missing
+    heartbeat makes a dispatcher take them over at once. A failed worker leaves its `failed` heartbeat
+    and membership for ops to see; dispatchers treat it as gone and clean up after it."""
+    names, worker = settings.names, settings.worker_id
+    with contextlib.suppress(RedisError):
+        left = await inbox.length()
+        async with redis.pipeline(transaction=False) as pipe:
+            if not failed:
+                pipe.delete(names.heartbeat(settings.pool, worker))
+            if not left and not failed:
+                pipe.srem(names.workers(settings.pool), worker)
+                pipe.delete(names.kv_index(worker), names.kv_snapshot(worker))
+            await pipe.execute()
+        if left:
+            log.warning("left unfinished entries for a dispatcher to take over", entries=left)
+    log.info("worker stopped", worker=worker)
