@@ -29,10 +29,11 @@ from aiokafka import (
 from redis.exceptions import RedisError
 
 from dispatcher import metrics
+from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.offsets import OffsetTracker
-from dispatcher.placement import Decision, Demand, choose_least_loaded
+from dispatcher.placement import Demand, choose_least_loaded
 from dispatcher.recovery import take_over
 from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
@@ -40,31 +41,12 @@ from dispatcher.view import WorkerView
 from queue_schemas.answers import AnswerSink
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.messages import CancelNotice, DeadLetter, ErrorChunk, Heartbeat, InferenceRequest, Priority
+from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
 from queue_schemas.quota import settle
 from queue_schemas.state import follow_channel
 from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.dispatcher")
-
-# KEYS: placement record, cancelled mark, started mark, worker inbox.
-# ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new),
-# '1' if a request that started on the lost worker may start again (batch: nobody saw its output).
-PLACE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancelled' end
-local owner = redis.call('GET', KEYS[1])
-if ARGV[5] == '' then
-  if owner then return 'duplicate' end
-else
-  if ARGV[6] ~= '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 'started' end
-  if owner and owner ~= ARGV[5] then return 'duplicate' end
-end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
-return 'placed'
-"""
-
-DEADLETTER_PAYLOAD_LIMIT = 64 * 1024
 
 
 class Dispatcher:
@@ -85,15 +67,15 @@ class Dispatcher:
         self.topic = self.names.requests_topic(settings.pool)
         self.batch_topic = self.names.batch_topic(settings.pool)
         self.answers = AnswerSink(redis, self.names, lambda: producer, started=producer)
+        self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
+        self.acts = Acts(redis, settings, producer, self.consumer_id)
         pool_config = settings.load_pools().pool(settings.pool)
-        self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self._dead_letter)
+        self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self.acts.dead_letter)
         self.view = WorkerView(redis, self.names, settings.pool)
         self.hold = Hold(settings.hold_capacity)
         self.offsets: OffsetTracker[tuple[str, int]] = OffsetTracker()
         self.policy = settings.policy()
         self.rng = random.Random()
-        self._place = redis.register_script(PLACE_SCRIPT)
-        self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
         self._paused: set[str] = set()  # topics whose partitions are paused
         self._background: list[asyncio.Task[None]] = []
 
@@ -159,7 +141,7 @@ class Dispatcher:
                     f"request for pool {request.pool!r} arrived on the topic of pool {self.pool!r}"
                 )
         except SchemaError as exc:
-            await self._dead_letter(record, str(exc))
+            await self.acts.dead_letter(record, str(exc))
             self.offsets.closed((record.topic, record.partition), record.offset)
             return
         held = Held(request, (record.topic, record.partition), record.offset, time.monotonic())
@@ -205,7 +187,7 @@ class Dispatcher:
             if reserved is Reserve.REFUSED:
                 self._finish(held)
             return reserved is Reserve.REFUSED
-        outcome = await self._record(held, decision)
+        outcome = await self.acts.place(held, decision)
         self._finish(held)
         if outcome == "placed":
             self.hold.charge(request.team, held.cost)
@@ -224,29 +206,6 @@ class Dispatcher:
                 request, ErrorCode.WORKER_LOST, "the worker serving the request was lost"
             )
         return True
-
-    async def _record(self, held: Held, decision: Decision) -> str:
-        request = held.request
-        names = self.names
-        rid = request.request_id
-        assert decision.worker_id is not None
-        outcome = await self._place(
-            keys=[
-                names.placement(rid),
-                names.cancelled(rid),
-                names.started(rid),
-                names.inbox(decision.worker_id),
-            ],
-            args=[
-                decision.worker_id,
-                self.settings.placement_ttl_s * 1000,
-                encode(request),
-                self.settings.inbox_max_len,
-                held.moved_from or "",
-                "1" if request.batch is not None else "",
-            ],
-        )
-        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     def _finish(self, held: Held) -> None:
         """The request leaves the hold; its record no longer holds its partition's commit back."""
@@ -352,27 +311,6 @@ class Dispatcher:
             return
         chunk = ErrorChunk(request_id=request.request_id, seq=0, code=code, message=message)
         await self.redis.publish(self.names.stream_channel(request.request_id), encode(chunk))
-
-    async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
-        raw: bytes = record.value or b""
-        letter = DeadLetter(
-            source=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            reason=reason,
-            payload=raw[:DEADLETTER_PAYLOAD_LIMIT].decode(errors="replace"),
-            consumer=self.consumer_id,
-            failed_at=time.time(),
-        )
-        await self.producer.send_and_wait(self.names.deadletter_topic(), encode(letter))
-        metrics.OUTCOMES.labels(self.pool, "dead_letter").inc()
-        log.warning(
-            "dead-lettered",
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            reason=reason,
-        )
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -1,0 +1,99 @@
+"""What the dispatcher writes: a placement (record and inbox entry in one script) and dead letters."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from aiokafka import AIOKafkaProducer, ConsumerRecord
+
+from dispatcher import metrics
+from dispatcher.hold import Held
+from dispatcher.placement import Decision
+from dispatcher.settings import DispatcherSettings
+from queue_schemas.codec import encode
+from queue_schemas.messages import DeadLetter
+
+log = structlog.get_logger("sluice.dispatcher")
+
+# KEYS: placement record, cancelled mark, started mark, worker inbox.
+# ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new),
+# '1' if a request that started on the lost worker may start again (batch: nobody saw its output).
+PLACE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancelled' end
+local owner = redis.call('GET', KEYS[1])
+if ARGV[5] == '' then
+  if owner then return 'duplicate' end
+else
+  if ARGV[6] ~= '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 'started' end
+  if owner and owner ~= ARGV[5] then return 'duplicate' end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
+return 'placed'
+"""
+
+DEADLETTER_PAYLOAD_LIMIT = 64 * 1024
+
+
+class Acts:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        settings: DispatcherSettings,
+        producer: AIOKafkaProducer,
+        consumer_id: str,
+    ) -> None:
+        self.settings = settings
+        self.names = settings.names
+        self.producer = producer
+        self.consumer_id = consumer_id
+        self._place = redis.register_script(PLACE_SCRIPT)
+
+    async def place(self, held: Held, decision: Decision) -> str:
+        """Record the placement and append the request to the worker's inbox, atomically: 'placed', or
+        'duplicate', 'cancelled' or 'started' (a moved request that already started and may not restart)."""
+        request = held.request
+        names = self.names
+        rid = request.request_id
+        assert decision.worker_id is not None
+        outcome = await self._place(
+            keys=[
+                names.placement(rid),
+                names.cancelled(rid),
+                names.started(rid),
+                names.inbox(decision.worker_id),
+            ],
+            args=[
+                decision.worker_id,
+                self.settings.placement_ttl_s * 1000,
+                encode(request),
+                self.settings.inbox_max_len,
+                held.moved_from or "",
+                "1" if request.batch is not None else "",
+            ],
+        )
+        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+
+    async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
+        raw: bytes = record.value or b""
+        letter = DeadLetter(
+            source=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            reason=reason,
+            payload=raw[:DEADLETTER_PAYLOAD_LIMIT].decode(errors="replace"),
+            consumer=self.consumer_id,
+            failed_at=time.time(),
+        )
+        await self.producer.send_and_wait(self.names.deadletter_topic(), encode(letter))
+        metrics.OUTCOMES.labels(self.settings.pool, "dead_letter").inc()
+        log.warning(
+            "dead-lettered",
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            reason=reason,
+        )
