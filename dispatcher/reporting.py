@@ -26,19 +26,23 @@ HIGHWATER_TTL_MS = 5000
 async def report_loop(d: Dispatcher, stop: asyncio.Event) -> None:
     key = d.names.held(d.pool, d.consumer_id)
     while not stop.is_set():
-        marks: dict[Any, Any] = {}
+        marks: dict[str, dict[Any, Any]] = {d.topic: {}, d.batch_topic: {}}
         for tp in d.consumer.assignment():
             mark = d.consumer.highwater(tp)
-            if tp.topic == d.topic and mark is not None:
-                marks[str(tp.partition)] = mark
+            if tp.topic in marks and mark is not None:
+                marks[tp.topic][str(tp.partition)] = mark
         with contextlib.suppress(RedisError):
             async with d.redis.pipeline(transaction=False) as pipe:
                 # Interactive only: admission control and scaling answer to interactive demand, and a
                 # batch backlog waits in its own hold and topic for the room interactive load leaves.
                 pipe.set(key, d.hold.size(Priority.INTERACTIVE), px=HELD_TTL_MS)
-                if marks:
-                    pipe.hset(d.names.highwater(d.pool), mapping=marks)
-                    pipe.pexpire(d.names.highwater(d.pool), HIGHWATER_TTL_MS)
+                for topic, marks_key in (
+                    (d.topic, d.names.highwater(d.pool)),
+                    (d.batch_topic, d.names.batch_highwater(d.pool)),
+                ):
+                    if marks[topic]:
+                        pipe.hset(marks_key, mapping=marks[topic])
+                        pipe.pexpire(marks_key, HIGHWATER_TTL_MS)
                 await pipe.execute()
         await asyncio.sleep(1.0)
     with contextlib.suppress(RedisError):

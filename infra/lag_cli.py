@@ -28,7 +28,7 @@ def pool_rows(body: dict[str, Any]) -> list[list[str]]:
     for p in body["pools"]:
         r = p["replicas"]
         rows.append([
-            p["pool"], str(p["lag"]), p["status"], str(p["backlog"]),
+            p["pool"], str(p["lag"]), p["status"], str(p["backlog"]), _num(p["batch_lag"]),
             _num(p["arrival_rate"], 2), _num(p["completion_rate"], 2),
             f"{r['ready']}/{r['desired']}", str(r["starting"]), str(r["draining"]),
             "on" if p["spec_decoding"] else "off", f"{p['decision']['action']}: {p['decision']['reason']}",
@@ -50,8 +50,8 @@ def worker_rows(body: dict[str, Any]) -> list[list[str]]:
 
 
 POOL_COLUMNS = [
-    "pool", "lag", "status", "backlog", "arrivals/s", "done/s", "ready/desired", "starting", "draining",
-    "spec", "last decision",
+    "pool", "lag", "status", "backlog", "batch lag", "arrivals/s", "done/s", "ready/desired", "starting",
+    "draining", "spec", "last decision",
 ]  # fmt: skip
 WORKER_COLUMNS = ["pool", "worker", "state", "KV used", "running", "waiting", "prefix hits", "tok/s", "age"]
 

@@ -54,6 +54,9 @@ class Names:
     def highwater(self, pool: str) -> str:
         return f"{self.prefix}:highwater:{pool}"
 
+    def batch_highwater(self, pool: str) -> str:
+        return f"{self.prefix}:batch-highwater:{pool}"
+
     def pool_state(self, pool: str) -> str:
         return f"{self.prefix}:poolstate:{pool}"
 

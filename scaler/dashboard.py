@@ -22,6 +22,7 @@ HISTORY_POINTS = 600  # ten minutes at the default one-second tick
 class Sample:
     t: float
     lag: int
+    batch_lag: int | None
     backlog: int
     arrival: float
     completion: float
@@ -36,6 +37,7 @@ def sample_of(report: PoolReport, now: float) -> Sample:
     return Sample(
         t=round(now, 3),
         lag=report.lag.total,
+        batch_lag=report.batch_lag.total if report.batch_lag is not None else None,
         backlog=s.backlog,
         arrival=round(s.arrival_rate, 3),
         completion=round(report.completion_rate, 3),
@@ -53,6 +55,7 @@ def report_body(report: PoolReport) -> dict[str, Any]:
         "pool": report.lag.pool,
         "lag": report.lag.total,
         "partitions": {str(p): lag for p, lag in report.lag.partitions.items()},
+        "batch_lag": report.batch_lag.total if report.batch_lag is not None else None,
         "status": report.status.value,
         "partition_status": {str(p): st.value for p, st in report.partition_status.items()},
         "held": report.held,

@@ -2,6 +2,9 @@ from prometheus_client import Counter, Gauge
 
 PARTITION_LAG = Gauge("sluice_consumer_lag", "Dispatcher-group lag per partition", ["pool", "partition"])
 POOL_LAG = Gauge("sluice_pool_lag", "Dispatcher-group lag summed over a pool's partitions", ["pool"])
+BATCH_LAG = Gauge(
+    "sluice_pool_batch_lag", "Batch submissions not yet committed by the pool's dispatchers", ["pool"]
+)
 LAG_READ_AT = Gauge("sluice_lag_read_timestamp_seconds", "When the pool's lag was last read", ["pool"])
 LAG_STATUS = Gauge(
     "sluice_lag_status", "1 for the pool's current lag status (Burrow's terms)", ["pool", "status"]

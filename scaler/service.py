@@ -56,8 +56,9 @@ class LagReader:
         self.names = names
         self._redis = redis
 
-    async def read(self, pool: str) -> PoolLag:
-        topic = self.names.requests_topic(pool)
+    async def read(self, pool: str, batch: bool = False) -> PoolLag:
+        """Lag of the pool's interactive requests topic, or of its batch topic (same consumer group)."""
+        topic = self.names.batch_topic(pool) if batch else self.names.requests_topic(pool)
         group = self.names.dispatcher_group(pool)
         partitions = await self._partitions(topic)
         tps = [TopicPartition(topic, p) for p in partitions]
@@ -78,13 +79,14 @@ class LagReader:
             committed,
             {tp.partition: off for tp, off in starts.items()},
             time.time(),
-            await self._reported_highwater(pool),
+            await self._reported_highwater(pool, batch),
         )
 
-    async def _reported_highwater(self, pool: str) -> dict[int, int]:
+    async def _reported_highwater(self, pool: str, batch: bool) -> dict[int, int]:
         if self._redis is None:
             return {}
-        raw = await self._redis.hgetall(self.names.highwater(pool))
+        key = self.names.batch_highwater(pool) if batch else self.names.highwater(pool)
+        raw = await self._redis.hgetall(key)
         return {int(p): int(v) for p, v in raw.items()}
 
     async def _partitions(self, topic: str) -> list[int]:
@@ -107,6 +109,7 @@ class PoolReport:
     held: int
     spec_decoding: bool
     workers: list[Heartbeat] = field(default_factory=list)
+    batch_lag: PoolLag | None = None  # shown to people; scaling answers to interactive demand only
 
     @property
     def completion_rate(self) -> float:
@@ -187,6 +190,7 @@ class Scaler:
         assert c.measures is not None
         # measure
         lag = await self.reader.read(name)
+        batch_lag = await self._batch_lag(name)
         beats, _ = await read_heartbeats(self.redis, self.names, name)
         held, dispatchers = await self._held(name)
         now = time.time()
@@ -211,13 +215,23 @@ class Scaler:
                 "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason
             )
         # export
-        report = PoolReport(lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, beats)
+        report = PoolReport(
+            lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, beats, batch_lag
+        )
         self.reports[name] = report
         self.history.setdefault(name, deque(maxlen=HISTORY_POINTS)).append(sample_of(report, now))
         self._export(name, report, c)
         state = pool_state(lag, beats, now, held)
         await self.redis.set(self.names.pool_state(name), encode(state), px=int(3 * self.tick_s * 1000))
         return report
+
+    async def _batch_lag(self, pool: str) -> PoolLag | None:
+        """The batch topic's lag; None (and the tick goes on) when it cannot be read."""
+        try:
+            return await self.reader.read(pool, batch=True)
+        except KafkaError as exc:
+            log.warning("batch lag not read", pool=pool, error=str(exc))
+            return None
 
     async def _held(self, pool: str) -> tuple[int, int]:
         """(requests held, live dispatchers) from the keys each dispatcher refreshes every second."""
@@ -231,6 +245,8 @@ class Scaler:
         for partition, value in r.lag.partitions.items():
             metrics.PARTITION_LAG.labels(pool, str(partition)).set(value)
         metrics.POOL_LAG.labels(pool).set(r.lag.total)
+        if r.batch_lag is not None:
+            metrics.BATCH_LAG.labels(pool).set(r.batch_lag.total)
         metrics.LAG_READ_AT.labels(pool).set(r.lag.read_at)
         for status in Status:
             metrics.LAG_STATUS.labels(pool, status.value).set(1 if status is r.status else 0)

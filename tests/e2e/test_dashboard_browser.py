@@ -127,6 +127,7 @@ def test_dashboard_shows_lag_and_replicas_change_under_a_backlog(
     wait_for("the pool at rest", lambda: figure(browser, "slow", "ready") == "1", 30)
     assert figure(browser, "slow", "lag") == "0"
     assert figure(browser, "slow", "status") == "OK"
+    assert figure(browser, "slow", "batch-lag") == "0"
     rows = browser.find_elements(By.CSS_SELECTOR, 'section[data-pool="slow"] tr[data-worker]')
     assert [r.get_attribute("data-worker") for r in rows] == ["slow-w0"]
     updates_before = int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-updates") or 0)

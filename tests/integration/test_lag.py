@@ -89,3 +89,35 @@ async def test_reported_high_watermark_corrects_a_short_listed_end_offset(bus: B
         for client in (producer, admin, reader_consumer, fetcher):
             await (client.close() if isinstance(client, AIOKafkaAdminClient) else client.stop())
         await redis.aclose()
+
+
+async def test_batch_lag_is_read_from_the_batch_topic_with_the_same_group(bus: Bus) -> None:
+    settings = bus.settings()
+    names = settings.names
+    requests, batch = names.requests_topic("sim"), names.batch_topic("sim")
+    await create_topics(settings, requests, partitions=1)
+    await create_topics(settings, batch, partitions=1)
+    producer = AIOKafkaProducer(**producer_options(settings))
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    reader_consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await producer.start()
+    await admin.start()
+    await reader_consumer.start()
+    try:
+        for i in range(4):
+            await producer.send_and_wait(batch, b"b", partition=0, key=str(i).encode())
+        await producer.send_and_wait(requests, b"r", partition=0, key=b"r")
+        group = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group("sim")))
+        await group.start()
+        try:
+            group.assign([TopicPartition(batch, 0)])
+            await group.commit({TopicPartition(batch, 0): 1})
+        finally:
+            await group.stop()
+        reader = LagReader(admin, reader_consumer, names)
+        assert dict((await reader.read("sim", batch=True)).partitions) == {0: 3}
+        assert dict((await reader.read("sim")).partitions) == {0: 1}, "the interactive topic is apart"
+    finally:
+        await reader_consumer.stop()
+        await admin.close()
+        await producer.stop()

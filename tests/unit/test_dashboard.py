@@ -24,7 +24,8 @@ def report(lag: int, ready: int, workers: int = 2) -> PoolReport:
     signals = PoolSignals(1000.0, lag + 5, 2.5, 0.0, ready, 1, 0, 2.0, 120.0)
     verdict = Verdict("up", ready + 2, ready + 2, 3.0, "forecast above capacity")
     lag_read = PoolLag("chat", "requests.chat", "dispatch.chat", {0: lag}, 999.5)
-    return PoolReport(lag_read, Status.WARN, {0: Status.WARN}, signals, verdict, 5, True, beats)
+    batch = PoolLag("chat", "batch.chat", "dispatch.chat", {0: 4, 1: 3}, 999.5)
+    return PoolReport(lag_read, Status.WARN, {0: Status.WARN}, signals, verdict, 5, True, beats, batch)
 
 
 def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
@@ -33,6 +34,7 @@ def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
     (pool,) = body["pools"]
     assert pool["pool"] == "chat"
     assert pool["lag"] == 12
+    assert pool["batch_lag"] == 7
     assert pool["status"] == "WARN"
     assert pool["backlog"] == 17
     assert pool["arrival_rate"] == 2.5
@@ -41,7 +43,7 @@ def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
     assert pool["spec_decoding"] is True
     assert [s["lag"] for s in pool["history"]] == [0, 12]
     assert pool["history"][1] == {
-        "t": 1000.0, "lag": 12, "backlog": 17, "arrival": 2.5, "completion": 3.0,
+        "t": 1000.0, "lag": 12, "batch_lag": 7, "backlog": 17, "arrival": 2.5, "completion": 3.0,
         "ready": 2, "starting": 1, "draining": 0, "desired": 4,
     }  # fmt: skip
     w0, w1 = pool["workers"]
@@ -63,12 +65,12 @@ def test_a_worker_without_lookups_or_blocks_shows_no_ratio() -> None:
 
 def test_lag_tables_show_the_same_numbers() -> None:
     body = dashboard_body(
-        {"chat": report(12, 2)}, {"chat": [Sample(1.0, 12, 17, 2.5, 3.0, 2, 1, 0, 4)]}, 1001.0
+        {"chat": report(12, 2)}, {"chat": [Sample(1.0, 12, 7, 17, 2.5, 3.0, 2, 1, 0, 4)]}, 1001.0
     )
     (row,) = pool_rows(body)
-    assert row[:9] == ["chat", "12", "WARN", "17", "2.50", "3.00", "2/4", "1", "0"]
-    assert row[9] == "on"
-    assert row[10] == "up: forecast above capacity"
+    assert row[:10] == ["chat", "12", "WARN", "17", "7", "2.50", "3.00", "2/4", "1", "0"]
+    assert row[10] == "on"
+    assert row[11] == "up: forecast above capacity"
     workers = worker_rows(body)
     assert [w[:7] for w in workers] == [
         ["chat", "w0", "ready", "60%", "3", "2", "75%"],
