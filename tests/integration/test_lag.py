@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from queue_schemas.clients import consumer_options, producer_options, redis_client
+from queue_schemas.settings import BusSettings
 from scaler.service import LagReader
 from tests.conftest import Bus
 from tests.integration.helpers import create_topics
@@ -16,11 +19,9 @@ from tests.integration.helpers import create_topics
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-async def test_lag_counts_uncommitted_messages_per_partition(bus: Bus) -> None:
-    settings = bus.settings()
-    names = settings.names
-    topic = names.requests_topic("sim")
-    await create_topics(settings, topic, partitions=2)
+@contextlib.asynccontextmanager
+async def clients(settings: BusSettings) -> AsyncIterator[tuple[AIOKafkaProducer, LagReader]]:
+    """A producer and a lag reader (admin client and offsets consumer), started and stopped together."""
     producer = AIOKafkaProducer(**producer_options(settings))
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
     reader_consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
@@ -28,29 +29,40 @@ async def test_lag_counts_uncommitted_messages_per_partition(bus: Bus) -> None:
     await admin.start()
     await reader_consumer.start()
     try:
-        for i in range(5):
-            await producer.send_and_wait(topic, b"x", partition=0, key=str(i).encode())
-        for i in range(2):
-            await producer.send_and_wait(topic, b"y", partition=1, key=str(i).encode())
-        reader = LagReader(admin, reader_consumer, names)
-
-        before = await reader.read("sim")
-        assert dict(before.partitions) == {0: 5, 1: 2}
-
-        group = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group("sim")))
-        await group.start()
-        try:
-            group.assign([TopicPartition(topic, 0)])
-            await group.commit({TopicPartition(topic, 0): 3})
-        finally:
-            await group.stop()
-        after = await reader.read("sim")
-        assert dict(after.partitions) == {0: 2, 1: 2}
-        assert after.total == 4
+        yield producer, LagReader(admin, reader_consumer, settings.names)
     finally:
         await reader_consumer.stop()
         await admin.close()
         await producer.stop()
+
+
+async def commit(settings: BusSettings, topic: str, partition: int, offset: int) -> None:
+    group = AIOKafkaConsumer(**consumer_options(settings, settings.names.dispatcher_group("sim")))
+    await group.start()
+    try:
+        group.assign([TopicPartition(topic, partition)])
+        await group.commit({TopicPartition(topic, partition): offset})
+    finally:
+        await group.stop()
+
+
+async def test_lag_counts_uncommitted_messages_per_partition(bus: Bus) -> None:
+    settings = bus.settings()
+    topic = settings.names.requests_topic("sim")
+    await create_topics(settings, topic, partitions=2)
+    async with clients(settings) as (producer, reader):
+        for i in range(5):
+            await producer.send_and_wait(topic, b"x", partition=0, key=str(i).encode())
+        for i in range(2):
+            await producer.send_and_wait(topic, b"y", partition=1, key=str(i).encode())
+
+        before = await reader.read("sim")
+        assert dict(before.partitions) == {0: 5, 1: 2}
+
+        await commit(settings, topic, 0, 3)
+        after = await reader.read("sim")
+        assert dict(after.partitions) == {0: 2, 1: 2}
+        assert after.total == 4
 
 
 async def test_reported_high_watermark_corrects_a_short_listed_end_offset(bus: Bus) -> None:
@@ -93,31 +105,13 @@ async def test_reported_high_watermark_corrects_a_short_listed_end_offset(bus: B
 
 async def test_batch_lag_is_read_from_the_batch_topic_with_the_same_group(bus: Bus) -> None:
     settings = bus.settings()
-    names = settings.names
-    requests, batch = names.requests_topic("sim"), names.batch_topic("sim")
+    requests, batch = settings.names.requests_topic("sim"), settings.names.batch_topic("sim")
     await create_topics(settings, requests, partitions=1)
     await create_topics(settings, batch, partitions=1)
-    producer = AIOKafkaProducer(**producer_options(settings))
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    reader_consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
-    await producer.start()
-    await admin.start()
-    await reader_consumer.start()
-    try:
+    async with clients(settings) as (producer, reader):
         for i in range(4):
             await producer.send_and_wait(batch, b"b", partition=0, key=str(i).encode())
         await producer.send_and_wait(requests, b"r", partition=0, key=b"r")
-        group = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group("sim")))
-        await group.start()
-        try:
-            group.assign([TopicPartition(batch, 0)])
-            await group.commit({TopicPartition(batch, 0): 1})
-        finally:
-            await group.stop()
-        reader = LagReader(admin, reader_consumer, names)
+        await commit(settings, batch, 0, 1)
         assert dict((await reader.read("sim", batch=True)).partitions) == {0: 3}
         assert dict((await reader.read("sim")).partitions) == {0: 1}, "the interactive topic is apart"
-    finally:
-        await reader_consumer.stop()
-        await admin.close()
-        await producer.stop()
