@@ -120,28 +120,42 @@ async def one_stream(
 
 
 async def run_many(
-    endpoints: Endpoints, model: str, concurrency: int, requests: int, max_tokens: int
+    endpoints: Endpoints,
+    model: str,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    stagger_s: float = 0.0,
 ) -> tuple[list[tuple[float, int, int, int]], float]:
+    """`concurrency` clients, each sending its next request when the last one ends, until `requests`
+    are done. Client i starts after i * stagger_s / concurrency: with stagger_s about one request's
+    length the streams stay spread out, as independent users' are; with 0 they start and keep arriving
+    together, in bursts of `concurrency`."""
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         await one_stream(client, endpoints, model, -1, max_tokens)  # warm connections and consumers
-        sem = asyncio.Semaphore(concurrency)
+        numbers = iter(range(requests))
+        results: list[tuple[float, int, int, int]] = []
 
-        async def bounded(i: int) -> tuple[float, int, int, int]:
-            async with sem:
-                return await one_stream(client, endpoints, model, i, max_tokens)
+        async def one_client(k: int) -> None:
+            await asyncio.sleep(k * stagger_s / concurrency)
+            for i in numbers:
+                results.append(await one_stream(client, endpoints, model, i, max_tokens))
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(i) for i in range(requests)))
-        return list(results), time.perf_counter() - t0
+        await asyncio.gather(*(one_client(k) for k in range(concurrency)))
+        return results, time.perf_counter() - t0
 
 
-def added_latency(endpoints: Endpoints, model: str, max_tokens: int, concurrency: int, requests: int) -> None:
-    results, wall = asyncio.run(run_many(endpoints, model, concurrency, requests, max_tokens))
+def added_latency(
+    endpoints: Endpoints, model: str, max_tokens: int, concurrency: int, requests: int, stagger_s: float = 0.0
+) -> None:
+    results, wall = asyncio.run(run_many(endpoints, model, concurrency, requests, max_tokens, stagger_s))
     added = [(ttft * 1000) - prompt * PROMPT_MS_PER_TOKEN for ttft, _, prompt, _ in results]
     p50, p90, p99 = statistics.median(added), percentile(added, 0.9), percentile(added, 0.99)
+    arrivals = "spread" if stagger_s else "together"
     print(
-        f"  {concurrency:>3} streams  {requests:>4} requests  added TTFT ms  "
+        f"  {concurrency:>3} streams {arrivals:>8}  {requests:>4} requests  added TTFT ms  "
         f"p50 {p50:6.1f}  p90 {p90:6.1f}  p99 {p99:6.1f}  ({requests / wall:5.0f} req/s)"
     )
 
@@ -197,8 +211,13 @@ def main() -> None:
 
     def open_streams(endpoints: Endpoints) -> None:
         print("added time to first token, N streams open (100 tokens at 10 ms each; 2 workers)")
+        print("  together: the N clients start at once and keep arriving in bursts of N;")
+        print("  spread: client i starts i/N of a request's length later, as independent users do")
         for level in args.concurrency:
-            added_latency(endpoints, "sluice-chat", 100, level, max(args.requests // 3, 3 * level))
+            requests = max(args.requests if level > 1 else args.requests // 3, 3 * level)
+            added_latency(endpoints, "sluice-chat", 100, level, requests)
+            if level > 1:
+                added_latency(endpoints, "sluice-chat", 100, level, requests, stagger_s=1.0)
 
     def saturation(endpoints: Endpoints) -> None:
         print("saturation: N clients back to back (16 tokens at 1 ms each; 2 workers)")

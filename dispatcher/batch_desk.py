@@ -28,6 +28,7 @@ from queue_schemas.batch import (
     failed_answer,
     http_answer,
     internal_request_id,
+    load_record,
     parse_submission,
     read_envelope,
 )
@@ -74,12 +75,13 @@ class BatchDesk:
 
     async def admit(self, record: ConsumerRecord[Any, Any]) -> InferenceRequest | None:
         """The request to hold, or None when the submission was answered, dead-lettered or is a duplicate."""
-        raw: bytes = record.value or b""
-        envelope = read_envelope(raw, self.names, (self.pool.name,))
+        obj = load_record(record.value or b"")
+        envelope = obj if isinstance(obj, str) else read_envelope(obj, self.names, (self.pool.name,))
         if isinstance(envelope, str):
             await self._dead_letter(record, envelope)
             return None
-        sub = parse_submission(raw)
+        assert not isinstance(obj, str)
+        sub = parse_submission(obj)
         if isinstance(sub, str):
             await self._refuse(envelope, record, InvalidRequest(sub, code="invalid_submission"))
             return None

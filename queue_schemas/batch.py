@@ -133,14 +133,19 @@ def reply_topic_problem(topic: str, names: Names, pools: tuple[str, ...]) -> str
     return None
 
 
-def read_envelope(raw: bytes, names: Names, pools: tuple[str, ...]) -> Envelope | str:
-    """Where to answer a raw submission, or why there is no usable reply topic (for the dead-letter topic)."""
+def load_record(raw: bytes) -> dict[str, Any] | str:
+    """A raw submission's JSON object, parsed once for envelope and submission; or why it is not one."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return f"not valid JSON: {exc}"
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
+    return obj
+
+
+def read_envelope(obj: dict[str, Any], names: Names, pools: tuple[str, ...]) -> Envelope | str:
+    """Where to answer a submission, or why there is no usable reply topic (for the dead-letter topic)."""
     team = obj.get("team")
     topic = obj.get("reply_topic")
     team_ok = isinstance(team, str) and TEAM_NAME.match(team) is not None
@@ -160,14 +165,8 @@ def read_envelope(raw: bytes, names: Names, pools: tuple[str, ...]) -> Envelope 
     )
 
 
-def parse_submission(raw: bytes) -> BatchSubmission | str:
+def parse_submission(obj: dict[str, Any]) -> BatchSubmission | str:
     """The submission, or a readable reason it is invalid."""
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"not valid JSON: {exc}"
-    if not isinstance(obj, dict):
-        return "expected a JSON object"
     if obj.get("v") != SCHEMA_VERSION:
         return f"unsupported schema version {obj.get('v')!r} (this build speaks v{SCHEMA_VERSION})"
     try:
