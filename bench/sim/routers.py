@@ -45,6 +45,12 @@ def heartbeat(replica: Replica, now: float, seq: int) -> Heartbeat:
     )  # fmt: skip
 
 
+def least_loaded(replicas: Sequence[Replica], rng: random.Random) -> Replica:
+    """A replica with the fewest requests in the system, chosen at random among equals."""
+    low = min(r.in_system for r in replicas)
+    return rng.choice([r for r in replicas if r.in_system == low])
+
+
 class Stateless:
     """Base for the baselines: nothing to learn from heartbeats."""
 
@@ -118,10 +124,7 @@ class LeastLoadedRouter(Stateless):
         self.rng = rng
 
     def route(self, request: Request, replicas: Sequence[Replica], now: float) -> Replica | None:
-        if not replicas:
-            return None
-        low = min(r.in_system for r in replicas)
-        return self.rng.choice([r for r in replicas if r.in_system == low])
+        return least_loaded(replicas, self.rng) if replicas else None
 
 
 class SglangRouter(Stateless):
@@ -138,7 +141,7 @@ class SglangRouter(Stateless):
             return None
         loads = [r.in_system for r in replicas]
         lo, hi = min(loads), max(loads)
-        lowest = self.rng.choice([r for r in replicas if r.in_system == lo])
+        lowest = least_loaded(replicas, self.rng)
         if hi - lo > self.abs_thr and hi > self.rel_thr * lo:
             return lowest
         blocks = max(1, len(request.blocks))
