@@ -18,8 +18,7 @@ from typing import IO, Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.admin import NewTopic
 
 from infra.batch_file import (
     Line,
@@ -33,8 +32,9 @@ from infra.batch_file import (
     read_lines,
     save_state,
 )
+from infra.topics import RESULTS_PARTITIONS, create_missing
 from queue_schemas.batch import BatchAnswer
-from queue_schemas.clients import admin_options, consumer_options, producer_options
+from queue_schemas.clients import consumer_options, producer_options
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
 from queue_schemas.settings import BusSettings
@@ -75,13 +75,7 @@ def prepare(
 
 
 async def ensure_topic(settings: BusSettings, topic: str) -> None:
-    admin = AIOKafkaAdminClient(**admin_options(settings))
-    await admin.start()
-    try:
-        with contextlib.suppress(TopicAlreadyExistsError):
-            await admin.create_topics([NewTopic(topic, 4, 1)])
-    finally:
-        await admin.close()
+    await create_missing(settings, [NewTopic(topic, RESULTS_PARTITIONS, 1)])
 
 
 async def run_batch(
