@@ -27,6 +27,9 @@ model = "sluice-sim"
 [pools.simulated]
 ttft_ms = 5
 token_ms = 2
+# One worker, so the state file below is written by that worker alone.
+[pools.scaling]
+max_replicas = 1
 """
 
 
