@@ -203,6 +203,10 @@ def main() -> None:
     parser.add_argument(
         "--all-pools", action="store_true", help="one stack with the three pools for every phase"
     )
+    parser.add_argument(
+        "--phases", nargs="+", choices=["chat", "sim", "long"], default=["chat", "sim", "long"],
+        help="which phases to run (by pool): chat = added latency, sim = saturation, long = relay",
+    )  # fmt: skip
     args = parser.parse_args()
     print(
         f"dev broker, dispatcher fetch wait {args.fetch_wait_ms} ms, "
@@ -229,7 +233,9 @@ def main() -> None:
         for level in args.relay_streams:
             relay_rate(endpoints, level)
 
-    phases = [("chat", open_streams), ("sim", saturation), ("long", relay)]
+    phases = [
+        (p, f) for p, f in [("chat", open_streams), ("sim", saturation), ("long", relay)] if p in args.phases
+    ]
     if args.all_pools:
 
         def every_phase(endpoints: Endpoints) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,3 +62,37 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class EarlyStart:
+    """An engine stream whose first step is already under way: prefill runs while the worker checks
+    that the request may start. Nothing is taken from it until it is iterated, so nothing is published
+    before the check says go; `discard` aborts it (closing the stream aborts the request in the engine)."""
+
+    def __init__(self, stream: AsyncIterator[EngineOutput]) -> None:
+        self._stream = stream
+        self._first: asyncio.Task[EngineOutput] | None = asyncio.ensure_future(self._step())
+
+    async def _step(self) -> EngineOutput:
+        return await anext(self._stream)
+
+    def __aiter__(self) -> EarlyStart:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        first, self._first = self._first, None
+        if first is not None:
+            return await first
+        return await anext(self._stream)
+
+    async def discard(self) -> None:
+        """Abort the stream if it is still running; what it raised, if anything, is dropped."""
+        first, self._first = self._first, None
+        if first is not None:
+            first.cancel()
+            with contextlib.suppress(BaseException):
+                await first
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()

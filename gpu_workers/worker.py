@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
-from gpu_workers.engine import Engine, EngineError
+from gpu_workers.engine import EarlyStart, Engine, EngineError
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.output import RequestOutput
@@ -32,13 +32,14 @@ from gpu_workers.starting import (
 )
 from queue_schemas.answers import AnswerSink
 from queue_schemas.clients import BusUnavailable, producer_options
-from queue_schemas.codec import decode
+from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
     FinalChunk,
     InferenceRequest,
+    TokenChunk,
     WorkerState,
 )
 from queue_schemas.publisher import PipelinedPublisher
@@ -215,10 +216,13 @@ class Worker:
             request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
         )
         started = False
+        pieces: EarlyStart | None = None
         try:
             refusal = start_refusal(request, time.time())
             if refusal is None:
-                outcome = await self._begin(request)
+                # Prefill starts at once; the start check goes out with the first chunk.
+                pieces = EarlyStart(self.engine.generate(request))
+                outcome = await self._open(out, pieces, coalescer)
                 if outcome == "moved":
                     log.warning(
                         "request was moved to another worker; skipping", request_id=request.request_id
@@ -230,14 +234,10 @@ class Worker:
             if refusal is not None:
                 await self._fail(out, coalescer, started, *refusal)
             else:
-                async for piece in self.engine.generate(request):
-                    started = True
-                    chunk = coalescer.add(piece, time.monotonic())
-                    if isinstance(chunk, FinalChunk):
-                        await self._settle(request, chunk.usage.total_tokens)
-                        self.completions.record(time.monotonic())
-                    if chunk is not None:
-                        await out.emit(chunk)
+                assert pieces is not None
+                started = True
+                async for piece in pieces:
+                    await self._deliver(out, coalescer.add(piece, time.monotonic()))
         except EngineError as exc:
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
             await self._fail(out, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
@@ -251,13 +251,56 @@ class Worker:
         except (RedisError, BusUnavailable) as exc:
             log.error("lost the bus while answering", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
+        finally:
+            if pieces is not None:
+                await pieces.discard()
         await self._ack(entry_id)
 
-    async def _begin(self, request: InferenceRequest) -> str:
+    async def _open(self, out: RequestOutput, pieces: EarlyStart, coalescer: ChunkCoalescer) -> str:
+        """Start the request once the engine has its first output: 'ok' when that output is delivered,
+        else 'moved' or 'cancelled' (the engine stream is aborted and nothing was published).
+
+        A streamed request's start check and first chunk are one script. A batch request (its output is
+        gathered) and a one-chunk answer (settled before it is sent) are checked, then delivered; so is
+        an engine failure, which only the worker that still holds the request reports.
+        """
+        request = out.request
+        try:
+            first = await anext(pieces, None)
+            if first is None:
+                raise EngineError("the engine ended the request without output")
+        except EngineError:
+            outcome = await self._begin(request)
+            if outcome == "ok":
+                raise
+            await pieces.discard()
+            return outcome
+        chunk = coalescer.add(first, time.monotonic())
+        if request.batch is None and isinstance(chunk, TokenChunk):
+            outcome = await self._begin(request, self.names.stream_channel(request.request_id), encode(chunk))
+        else:
+            outcome = await self._begin(request)
+            if outcome == "ok":
+                await self._deliver(out, chunk)
+        if outcome != "ok":
+            await pieces.discard()
+        return outcome
+
+    async def _deliver(self, out: RequestOutput, chunk: TokenChunk | FinalChunk | None) -> None:
+        if isinstance(chunk, FinalChunk):
+            await self._settle(out.request, chunk.usage.total_tokens)
+            self.completions.record(time.monotonic())
+        if chunk is not None:
+            await out.emit(chunk)
+
+    async def _begin(self, request: InferenceRequest, channel: str = "", first: bytes = b"") -> str:
         names = self.names
         keys = [names.cancelled(request.request_id), names.placement(request.request_id)]
         keys.append(names.started(request.request_id))
-        outcome = await self._begin_script(keys=keys, args=[self.settings.worker_id, STARTED_MARK_TTL_MS])
+        args: list[str | bytes | int] = [self.settings.worker_id, STARTED_MARK_TTL_MS]
+        if channel:
+            args += [channel, first]
+        outcome = await self._begin_script(keys=keys, args=args)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     async def _settle(self, request: InferenceRequest, used_tokens: int) -> None:

@@ -45,7 +45,9 @@ async def settled_stats(engine: VllmEngine) -> tuple[int, int]:
 
 async def test_streams_deltas_then_a_final_with_usage(engine: VllmEngine) -> None:
     outs = await collect(engine, request_for([10, 11, 12, 13], max_tokens=12))
-    assert len(outs) == 12, "one delta per generated token"
+    # One delta per step; the engine merges the deltas of steps its reader had not yet taken.
+    assert 1 < len(outs) <= 12, "streamed as deltas, not one answer"
+    assert all(o.num_tokens >= 1 for o in outs)
     assert all(o.finish_reason is None for o in outs[:-1])
     assert outs[-1].finish_reason is FinishReason.LENGTH
     assert sum(o.num_tokens for o in outs) == 12

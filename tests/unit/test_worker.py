@@ -1,7 +1,12 @@
+import asyncio
 import time
+from collections.abc import AsyncIterator
 
+import pytest
+
+from gpu_workers.engine import EarlyStart, EngineError, EngineOutput
 from gpu_workers.starting import process_started_at, start_refusal
-from queue_schemas.messages import InferenceRequest, SamplingParams
+from queue_schemas.messages import FinishReason, InferenceRequest, SamplingParams
 
 
 def request(**fields: object) -> InferenceRequest:
@@ -24,3 +29,60 @@ def test_start_refusals() -> None:
 def test_process_start_time_is_this_process() -> None:
     age = time.time() - process_started_at()
     assert -1.5 <= age < 3600, f"this test process would have started {age:.0f} s ago"
+
+
+class Stream:
+    """An engine stream that records what happened to it."""
+
+    def __init__(self, outputs: list[EngineOutput], fail_first: bool = False) -> None:
+        self.outputs = outputs
+        self.fail_first = fail_first
+        self.prefill_started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.aborted = False
+
+    async def run(self) -> AsyncIterator[EngineOutput]:
+        try:
+            self.prefill_started.set()
+            await self.release.wait()
+            if self.fail_first:
+                raise EngineError("prefill failed")
+            for out in self.outputs:
+                yield out
+        except asyncio.CancelledError:
+            self.aborted = True
+            raise
+
+
+async def test_early_start_runs_prefill_before_it_is_iterated_and_yields_everything_in_order() -> None:
+    last = EngineOutput("c", 1, finish_reason=FinishReason.STOP)
+    outputs = [EngineOutput("a", 1), EngineOutput("b", 1), last]
+    stream = Stream(outputs)
+    pieces = EarlyStart(stream.run())
+    await asyncio.wait_for(stream.prefill_started.wait(), 1)  # under way with nobody iterating yet
+    stream.release.set()
+    assert [out async for out in pieces] == outputs
+    await pieces.discard()  # a finished stream: nothing to abort
+    assert not stream.aborted
+
+
+async def test_discarding_an_early_start_aborts_it_and_drops_its_error() -> None:
+    stream = Stream([EngineOutput("a", 1)])
+    pieces = EarlyStart(stream.run())
+    await asyncio.wait_for(stream.prefill_started.wait(), 1)
+    await pieces.discard()
+    assert stream.aborted
+
+    failing = Stream([], fail_first=True)
+    failing.release.set()
+    pieces = EarlyStart(failing.run())
+    await asyncio.sleep(0)
+    await pieces.discard()  # the engine's error is not raised for a stream nobody will read
+
+
+async def test_an_early_start_error_surfaces_when_iterated() -> None:
+    failing = Stream([], fail_first=True)
+    failing.release.set()
+    pieces = EarlyStart(failing.run())
+    with pytest.raises(EngineError, match="prefill failed"):
+        await anext(pieces)
