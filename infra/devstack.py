@@ -7,7 +7,9 @@ developer runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -88,6 +90,11 @@ class DevStack:
     front: Callable[[str, int], int] | None = None
     security: dict[str, str] = field(default_factory=dict)
     redis_tls: bool = False
+    # Durability, for restarting the broker or Redis under load: Redis writes an append-only file; the
+    # broker keeps its log in `broker_storage` (an `s3://` engine configured by `broker_env`).
+    redis_persist: bool = False
+    broker_storage: str = "memory://tansu/"
+    broker_env: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
@@ -105,8 +112,11 @@ class DevStack:
         kafka_port, redis_port = free_port(), free_port()
         kafka_client_port = self.front("kafka", kafka_port) if self.front else kafka_port
         redis_client_port = self.front("redis", redis_port) if self.front else redis_port
-        self.processes.append(start_broker(kafka_port, self.log_dir, advertised_port=kafka_client_port))
-        self.processes.append(start_redis(redis_port, self.log_dir))
+        self.processes.append(start_broker(
+            kafka_port, self.log_dir, advertised_port=kafka_client_port, storage=self.broker_storage,
+            env=self.broker_env,
+        ))  # fmt: skip
+        self.processes.append(start_redis(redis_port, self.log_dir, persist=self.redis_persist))
         scheme = "rediss" if self.redis_tls else "redis"
         bus = BusSettings(
             kafka_bootstrap=f"127.0.0.1:{kafka_client_port}",
@@ -201,6 +211,25 @@ class DevStack:
 
     def dead(self) -> list[ManagedProcess]:
         return [p for p in self.processes if not p.alive]
+
+    def process(self, name: str) -> ManagedProcess:
+        (proc,) = [p for p in self.processes if p.name == name]
+        return proc
+
+    def restart(self, name: str, *, kill: bool = True, down_s: float = 0.0) -> ManagedProcess:
+        """Stop one process (SIGKILL with `kill`, else SIGTERM and a wait), leave it down `down_s`, then
+        start the same command again, as a supervisor would. Returns the new process."""
+        old = self.process(name)
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old.popen.pid, signal.SIGKILL)
+            old.popen.wait(10)
+        else:
+            old.stop()
+        time.sleep(down_s)
+        new = old.relaunch()
+        self.processes[self.processes.index(old)] = new
+        return new
 
     def stop(self) -> None:
         """Stop the services together (they drain), then Redis and the broker."""

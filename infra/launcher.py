@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ class ManagedProcess:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    argv: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+
+    def relaunch(self) -> ManagedProcess:
+        """The same command again, logging to the same file (a supervisor's restart)."""
+        return spawn(self.name, self.argv, self.log_path.parent, self.env)
 
     @property
     def alive(self) -> bool:
@@ -101,7 +108,7 @@ def spawn(
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-    return ManagedProcess(name, popen, log_path)
+    return ManagedProcess(name, popen, log_path, tuple(argv), dict(env) if env is not None else None)
 
 
 def wait_until(check: ManagedProcess, probe: Callable[[], bool], what: str, timeout: float) -> None:
@@ -130,9 +137,16 @@ def redis_answers(port: int) -> bool:
         return False
 
 
-def start_broker(port: int, log_dir: Path, advertised_port: int | None = None) -> ManagedProcess:
-    """The Tansu Kafka-protocol broker, in-memory, on loopback; it advertises `advertised_port` when a
-    proxy stands in front of it, else the port it listens on."""
+def start_broker(
+    port: int,
+    log_dir: Path,
+    advertised_port: int | None = None,
+    storage: str = "memory://tansu/",
+    env: Mapping[str, str] | None = None,
+) -> ManagedProcess:
+    """The Tansu Kafka-protocol broker on loopback, in memory unless `storage` names a durable engine
+    (`s3://bucket/`, configured by `env`); it advertises `advertised_port` when a proxy stands in front
+    of it, else the port it listens on."""
     argv = [
         str(tansu_binary()),
         "broker",
@@ -142,15 +156,16 @@ def start_broker(port: int, log_dir: Path, advertised_port: int | None = None) -
         "--advertised-listener-url",
         f"tcp://127.0.0.1:{advertised_port or port}",
         "--storage-engine",
-        "memory://tansu/",
+        storage,
     ]
-    proc = spawn("broker", argv, log_dir)
+    proc = spawn("broker", argv, log_dir, {**os.environ, **env} if env is not None else None)
     wait_until(proc, lambda: tcp_open(port), "broker", timeout=20)
     return proc
 
 
-def start_redis(port: int, log_dir: Path) -> ManagedProcess:
-    """A Valkey server on loopback with persistence off."""
+def start_redis(port: int, log_dir: Path, persist: bool = False) -> ManagedProcess:
+    """A Valkey server on loopback; with `persist`, every write goes to an append-only file in `log_dir`
+    first, so a restart keeps keys, teams and quotas (else persistence is off)."""
     argv = [
         str(valkey_binary()),
         "--port",
@@ -160,10 +175,20 @@ def start_redis(port: int, log_dir: Path) -> ManagedProcess:
         "--save",
         "",
         "--appendonly",
-        "no",
+        "yes" if persist else "no",
+        "--appendfsync",
+        "always",
         "--dir",
         str(log_dir),
     ]
     proc = spawn("redis", argv, log_dir)
     wait_until(proc, lambda: redis_answers(port), "redis", timeout=20)
+    return proc
+
+
+def start_object_store(port: int, log_dir: Path) -> ManagedProcess:
+    """An S3-compatible server (moto) on loopback, for durable broker storage and model sources in tests."""
+    argv = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    proc = spawn("object-store", argv, log_dir)
+    wait_until(proc, lambda: tcp_open(port), "object store", timeout=30)
     return proc

@@ -37,7 +37,9 @@ def create_app(settings: IngressSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = redis_client(settings)
-        hub = StreamHub(redis, f"{settings.prefix}:ingress:control")
+        # Its own connection, never renewed silently: a lost one must fail the streams it carried.
+        hub_redis = redis_client(settings, retry=False)
+        hub = StreamHub(hub_redis, f"{settings.prefix}:ingress:control")
         producer = AIOKafkaProducer(**producer_options(settings))
         await with_backoff(
             producer.start,
@@ -64,6 +66,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             await hub.close()
             await producer.stop()
             await redis.aclose()
+            await hub_redis.aclose()
 
     app = FastAPI(title="sluice ingress", lifespan=lifespan, openapi_url="/openapi.json", docs_url=None)
     app.include_router(router)

@@ -14,22 +14,37 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 import structlog
 from aiokafka.helpers import create_ssl_context
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from queue_schemas.settings import BusSettings
 
 T = TypeVar("T")
 log = structlog.get_logger("sluice.clients")
+REDIS_RETRIES = 3
 
 
-def redis_client(settings: BusSettings) -> aioredis.Redis:
-    """A client whose pool waits (up to 5 s) for a free connection instead of failing at the cap."""
+def redis_client(settings: BusSettings, *, retry: bool = True) -> aioredis.Redis:
+    """A client whose pool waits (up to 5 s) for a free connection instead of failing at the cap.
+
+    With `retry`, a command that meets a broken connection (pooled connections all break when the server
+    restarts) is sent again on a fresh one, up to REDIS_RETRIES times over about a second. A pub/sub
+    reader that must notice a lost connection, because messages published meanwhile are gone, takes
+    retry=False: its subscription would otherwise be renewed silently.
+    """
+    options = redis_security(settings)
+    if retry:
+        options["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), REDIS_RETRIES)
+        options["retry_on_error"] = [RedisConnectionError, RedisTimeoutError]
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
         timeout=5.0,
         socket_connect_timeout=2.0,
         health_check_interval=15,
-        **redis_security(settings),
+        **options,
     )
     return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
 

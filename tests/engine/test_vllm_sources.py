@@ -5,19 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import boto3
-import httpx
 import pytest
 
 from gpu_workers.engine import EngineError
 from gpu_workers.vllm_engine import VllmEngine
-from infra.launcher import free_port, spawn, wait_until
+from infra.launcher import free_port, start_object_store
 from queue_schemas.model_store import COMPLETE_MARK, ModelSourceError, ModelStore, cache_folder
 from tests.engine.conftest import ENGINE_TIMEOUT, request_for, tiny_pool
 
@@ -30,22 +28,9 @@ PREFIX = "tiny/llama"
 @pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    server = spawn(
-        "moto",
-        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        tmp_path_factory.mktemp("moto"),
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        try:
-            return httpx.get(url, timeout=0.5).status_code < 500
-        except httpx.HTTPError:
-            return False
-
+    server = start_object_store(port, tmp_path_factory.mktemp("moto"))
     try:
-        wait_until(server, answers, "moto S3 server", timeout=30)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
 

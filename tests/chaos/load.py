@@ -1,0 +1,146 @@
+"""A steady load of streamed chat requests, run on its own thread, recording how each one ended.
+
+Kinds of ending:
+- ok: one final chunk with a finish_reason, text as long as usage.completion_tokens (the simulated engine
+  spends one token per character, so a duplicated or lost chunk shows), the usage chunk, then [DONE];
+- error: exactly one error event and nothing after it;
+- refused / unavailable: not accepted (an HTTP error status, or no connection);
+- cut: accepted, then the connection dropped before a terminal event;
+- hung: no terminal event within the request's time;
+- bad: anything else (two terminal events, events after one, a wrong length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+
+REQUEST_LIMIT_S = 90.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    started: float
+    ended: float
+    kind: str
+    detail: str = ""
+
+
+def classify(lines: list[str]) -> tuple[str, str]:
+    """The ending of one accepted stream from its `data:` payloads, in order; the stream has closed."""
+    finishes = errors = 0
+    text: list[str] = []
+    usage: dict[str, int] | None = None
+    after_end = False
+    done = False
+    for data in lines:
+        if done or errors:
+            after_end = True
+            break
+        if data == "[DONE]":
+            done = True
+            continue
+        body = json.loads(data)
+        if "error" in body:
+            errors += 1
+            continue
+        if body.get("usage"):
+            usage = body["usage"]
+        for choice in body.get("choices", []):
+            text.append(choice["delta"].get("content") or "")
+            if choice.get("finish_reason"):
+                finishes += 1
+    if after_end or finishes + errors > 1:
+        return "bad", f"{finishes} finishes, {errors} errors, data after the end: {after_end}"
+    if errors:
+        return "error", json.loads(lines[-1])["error"].get("code") or "error"
+    if not finishes:
+        return "cut", f"{len(lines)} events, no terminal one"
+    if not done or usage is None:
+        return "bad", "a finished stream without its usage chunk or [DONE]"
+    if len("".join(text)) != usage["completion_tokens"]:
+        return "bad", f"{len(''.join(text))} characters for {usage['completion_tokens']} tokens"
+    return "ok", ""
+
+
+class Load:
+    def __init__(self, url: str, api_key: str, model: str, clients: int) -> None:
+        self._url = url + "/v1/chat/completions"
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._model = model
+        self._clients = clients
+        self._outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[Outcome]:
+        """Stop sending; wait for the requests in flight to end; all outcomes."""
+        self._stop.set()
+        self._thread.join(REQUEST_LIMIT_S + 30)
+        assert not self._thread.is_alive(), "the load's requests did not end"
+        return self.outcomes()
+
+    def outcomes(self) -> list[Outcome]:
+        with self._lock:
+            return list(self._outcomes)
+
+    @staticmethod
+    def tally(outcomes: list[Outcome]) -> dict[str, int]:
+        return dict(collections.Counter(o.kind for o in outcomes))
+
+    async def _run(self) -> None:
+        limits = httpx.Limits(max_connections=self._clients * 2)
+        timeout = httpx.Timeout(REQUEST_LIMIT_S, connect=2.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            await asyncio.gather(*(self._client(client, k) for k in range(self._clients)))
+
+    async def _client(self, client: httpx.AsyncClient, k: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            started = time.time()
+            try:
+                kind, detail = await asyncio.wait_for(self._one(client, f"{k}-{n}"), REQUEST_LIMIT_S)
+            except TimeoutError:
+                kind, detail = "hung", f"no terminal event within {REQUEST_LIMIT_S:.0f} s"
+            with self._lock:
+                self._outcomes.append(Outcome(started, time.time(), kind, detail))
+            if kind in ("refused", "unavailable"):
+                await asyncio.sleep(0.2)  # a client backing off while the service is down
+            n += 1
+
+    async def _one(self, client: httpx.AsyncClient, tag: str) -> tuple[str, str]:
+        body = {
+            "model": self._model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"chaos request {tag}"}],
+        }
+        lines: list[str] = []
+        try:
+            async with client.stream("POST", self._url, json=body, headers=self._headers) as response:
+                if response.status_code != 200:
+                    return "refused", f"{response.status_code}: {(await response.aread())[:200]!r}"
+                try:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line.removeprefix("data: "))
+                except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                    kind, detail = classify(lines)
+                    return (
+                        ("cut", f"{type(exc).__name__} after {len(lines)} events")
+                        if kind == "cut"
+                        else (kind, detail)
+                    )
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            return "unavailable", type(exc).__name__
+        return classify(lines)

@@ -1,0 +1,202 @@
+"""Chaos: under a steady load of streamed requests, each service is killed (-9) in turn and Redis is
+restarted; on a second stack the broker is killed and restarted on its durable storage (Tansu's S3
+engine against a loopback object store). The test restarts what it stopped, as a supervisor would.
+Redis keeps an append-only file, so keys, teams and quotas outlive its restart.
+
+For every request the ingress accepted (HTTP 200), the client must see exactly one terminal event: the
+final chunk of a complete answer (its text as long as its usage says) or an error event, never both, never
+two, never none. The one exception is killing the ingress itself: its open streams are cut, and the client
+sees the connection drop. After each fault the services must find each other again by themselves; the
+time from the fault until a request sent after it succeeds is the recovery time, printed and kept in
+test-artifacts/chaos.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from infra.devstack import DevStack, Endpoints
+from infra.launcher import free_port, start_object_store
+from tests.chaos.load import Load, Outcome
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+
+ARTIFACTS = Path(os.environ.get("SLUICE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
+RECOVERY_LIMIT_S = 60.0
+SETTLE_S = 3.0
+
+POOLS = """
+[[pools]]
+name = "sim"
+model = "sluice-sim"
+default_max_tokens = 200
+[pools.simulated]
+ttft_ms = 5
+token_ms = 8
+min_words = 8
+max_words = 8
+[pools.scaling]
+min_replicas = 2
+max_replicas = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevStack, Endpoints]]:
+    workdir = tmp_path_factory.mktemp("chaos")
+    config = workdir / "pools.toml"
+    config.write_text(POOLS)
+    dev = DevStack(workdir, config_path=config, redis_persist=True)
+    try:
+        yield dev, dev.start()
+    finally:
+        dev.stop()
+
+
+@pytest.fixture(scope="module")
+def durable_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevStack, Endpoints]]:
+    """The broker's log in an S3 bucket. Tansu lists a partition's objects on every fetch, so the
+    dispatcher fetches every 100 ms here rather than every few milliseconds."""
+    workdir = tmp_path_factory.mktemp("chaos-durable")
+    config = workdir / "pools.toml"
+    config.write_text(POOLS)
+    port = free_port()
+    store = start_object_store(port, workdir / "logs")
+    try:
+        s3 = {
+            "AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT": f"http://127.0.0.1:{port}", "AWS_ALLOW_HTTP": "true",
+        }  # fmt: skip
+        boto3.client(
+            "s3", endpoint_url=s3["AWS_ENDPOINT"], region_name=s3["AWS_DEFAULT_REGION"],
+            aws_access_key_id="chaos", aws_secret_access_key="chaos",
+        ).create_bucket(Bucket="broker")  # fmt: skip
+        dev = DevStack(
+            workdir, config_path=config, redis_persist=True, broker_storage="s3://broker/", broker_env=s3,
+            extra_env={"SLUICE_KAFKA_FETCH_WAIT_MS": "100"},
+        )  # fmt: skip
+        try:
+            yield dev, dev.start()
+        finally:
+            dev.stop()
+    finally:
+        store.stop()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the scaler's local backend starts the workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def kill_a_worker(dev: DevStack) -> None:
+    workers = children(dev.process("scaler").popen.pid)
+    assert workers, "the scaler's workers are running"
+    os.kill(workers[0], signal.SIGKILL)
+
+
+def recovered_at(outcomes: list[Outcome], since: float) -> float | None:
+    """When the first request sent after `since` ended with a complete answer."""
+    ends = [o.ended for o in outcomes if o.started > since and o.kind == "ok"]
+    return min(ends) if ends else None
+
+
+def exercise(
+    endpoints: Endpoints, faults: list[tuple[str, Callable[[], object]]], clients: int
+) -> tuple[dict[str, dict[str, object]], dict[str, float], list[Outcome]]:
+    """Run the load through each fault in turn: (report per fault, when each struck, every outcome)."""
+    load = Load(endpoints.url, endpoints.api_key, "sluice-sim", clients=clients)
+    load.start()
+    report: dict[str, dict[str, object]] = {}
+    struck: dict[str, float] = {}
+    try:
+        time.sleep(SETTLE_S)
+        assert recovered_at(load.outcomes(), 0.0) is not None, "the load runs before any fault"
+        for name, inject in faults:
+            at = struck[name] = time.time()
+            inject()
+            deadline = at + RECOVERY_LIMIT_S
+            while (back := recovered_at(load.outcomes(), at)) is None and time.time() < deadline:
+                time.sleep(0.1)
+            assert back is not None, (
+                f"no request succeeded within {RECOVERY_LIMIT_S:.0f} s of the {name} fault"
+            )
+            time.sleep(SETTLE_S)
+            now = time.time()
+            seen = load.outcomes()
+            report[name] = {
+                "recovery_s": round(back - at, 2),
+                "in_flight": Load.tally([o for o in seen if o.started < at <= o.ended]),
+                "sent_after": Load.tally([o for o in seen if at <= o.started < now]),
+                "errors": sorted({o.detail for o in seen if o.kind == "error" and o.ended >= at}),
+            }
+    finally:
+        outcomes = load.stop()
+    return report, struck, outcomes
+
+
+def keep(name: str, report: dict[str, dict[str, object]], outcomes: list[Outcome]) -> None:
+    """Print the figures and keep them in test-artifacts/NAME.json."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    body = {"faults": report, "all": Load.tally(outcomes)}
+    (ARTIFACTS / f"{name}.json").write_text(json.dumps(body, indent=2))
+    print("\nfault       recovery s  requests in flight at the fault / sent after it, by ending")
+    for fault, row in report.items():
+        print(
+            f"{fault:<11} {row['recovery_s']:>10}  {row['in_flight']} / {row['sent_after']}  {row['errors']}"
+        )
+
+
+def assert_each_ended_once(outcomes: list[Outcome], cut_at: float | None = None) -> None:
+    broken = [o for o in outcomes if o.kind in ("hung", "bad")]
+    assert not broken, f"requests without exactly one terminal event: {broken[:5]}"
+    # Only a dead ingress cuts streams: the ones open when it died.
+    cut = [o for o in outcomes if o.kind == "cut"]
+    if cut_at is None:
+        assert not cut, cut[:5]
+    else:
+        assert all(o.started <= cut_at <= o.ended <= cut_at + 5 for o in cut), cut[:5]
+
+
+def test_every_accepted_request_ends_once_through_every_service_fault(
+    stack: tuple[DevStack, Endpoints],
+) -> None:
+    dev, endpoints = stack
+    faults: list[tuple[str, Callable[[], object]]] = [
+        ("worker", lambda: kill_a_worker(dev)),
+        ("dispatcher", lambda: dev.restart("dispatcher-sim")),
+        ("ingress", lambda: dev.restart("ingress")),
+        ("scaler", lambda: dev.restart("scaler")),
+        ("redis", lambda: dev.restart("redis", kill=False, down_s=1.0)),
+    ]
+    report, struck, outcomes = exercise(endpoints, faults, clients=6)
+    keep("chaos", report, outcomes)
+    assert_each_ended_once(outcomes, cut_at=struck["ingress"])
+    assert sum(1 for o in outcomes if o.kind == "ok") > 100, "the load kept flowing between the faults"
+
+
+def test_every_accepted_request_ends_once_through_a_broker_restart(
+    durable_stack: tuple[DevStack, Endpoints],
+) -> None:
+    dev, endpoints = durable_stack
+    report, _, outcomes = exercise(
+        endpoints, [("broker", lambda: dev.restart("broker", down_s=1.0))], clients=3
+    )
+    keep("chaos-broker", report, outcomes)
+    assert_each_ended_once(outcomes)
