@@ -14,7 +14,7 @@ from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from queue_schemas.codec import encode
-from queue_schemas.messages import DeadLetter
+from queue_schemas.deadletter import dead_letter
 
 log = structlog.get_logger("sluice.dispatcher")
 
@@ -34,8 +34,6 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
 return 'placed'
 """
-
-DEADLETTER_PAYLOAD_LIMIT = 64 * 1024
 
 
 class Acts:
@@ -79,14 +77,8 @@ class Acts:
 
     async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
         raw: bytes = record.value or b""
-        letter = DeadLetter(
-            source=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            reason=reason,
-            payload=raw[:DEADLETTER_PAYLOAD_LIMIT].decode(errors="replace"),
-            consumer=self.consumer_id,
-            failed_at=time.time(),
+        letter = dead_letter(
+            record.topic, record.partition, record.offset, raw, reason, self.consumer_id, time.time()
         )
         await self.producer.send_and_wait(self.names.deadletter_topic(), encode(letter))
         metrics.OUTCOMES.labels(self.settings.pool, "dead_letter").inc()

@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import NewTopic
 
 from infra.batch_file import (
@@ -36,6 +38,7 @@ from infra.topics import RESULTS_PARTITIONS, create_missing
 from queue_schemas.batch import BatchAnswer
 from queue_schemas.clients import consumer_options, producer_options
 from queue_schemas.codec import decode, encode
+from queue_schemas.deadletter import dead_letter
 from queue_schemas.errors import SchemaError
 from queue_schemas.settings import BusSettings
 
@@ -99,7 +102,8 @@ async def run_batch(
         with output.open("a") as out:
             submitter = asyncio.create_task(_submit(settings, producer, output, state, lines, tally, out))
             try:
-                await _collect(consumer, output, state, tally, out, progress, stop, submitter)
+                letters = DeadLetters(producer, settings.names.deadletter_topic(), group)
+                await _collect(consumer, output, state, tally, out, progress, stop, submitter, letters)
             finally:
                 submitter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -109,6 +113,27 @@ async def run_batch(
         await producer.stop()
         await consumer.stop()
     return tally
+
+
+@dataclass
+class DeadLetters:
+    """Records of the reply topic that are not answers go to the dead-letter topic, like any consumer's."""
+
+    producer: AIOKafkaProducer
+    topic: str
+    consumer: str
+
+    async def send(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
+        letter = dead_letter(
+            record.topic,
+            record.partition,
+            record.offset,
+            record.value or b"",
+            reason,
+            self.consumer,
+            time.time(),
+        )
+        await self.producer.send_and_wait(self.topic, encode(letter))
 
 
 def _write(out: IO[str], lines: list[dict[str, Any]]) -> None:
@@ -158,6 +183,7 @@ async def _collect(
     progress: Progress,
     stop: asyncio.Event,
     submitter: asyncio.Task[None],
+    letters: DeadLetters,
 ) -> None:
     while not stop.is_set() and len(tally.answered) < state.total:
         if submitter.done() and submitter.exception() is not None:
@@ -169,7 +195,8 @@ async def _collect(
                 try:
                     answer = decode(BatchAnswer, record.value or b"")
                 except SchemaError as exc:
-                    log.warning("not an answer; skipped", offset=record.offset, reason=str(exc))
+                    log.warning("not an answer; dead-lettered", offset=record.offset, reason=str(exc))
+                    await letters.send(record, str(exc))
                     continue
                 line = accept(tally, answer, state.batch_id)
                 if line is not None:

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from queue_schemas.clients import redis_client
 from queue_schemas.quota import TeamRecord
 from queue_schemas.settings import BusSettings
-from tests.conftest import Bus
+from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import Services, create_topics
 from tests.integration.test_failover import POOL_FILE, wait_workers
 
@@ -29,6 +29,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 LINES = 1000
 MALFORMED = {17: "{not json", 250: json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}})}
 REFUSED = {40: {"n": 3}, 600: {"temperature": 9}}  # valid lines the dispatcher answers with a 400
+
+
+POISON = [b'{"v": 1, "request_id": "trunc', b'{"v": 1, "kind": "answer"}', b'{"v": 7}']
+
+
+async def produce(settings: BusSettings, topic: str, payloads: list[bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await producer.start()
+    try:
+        for payload in payloads:
+            await producer.send_and_wait(topic, payload)
+    finally:
+        await producer.stop()
 
 
 def batch_file(path: Path) -> None:
@@ -113,6 +126,8 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         assert await asyncio.wait_for(first.wait(), 30) == 130, "an interrupted run says so with status 130"
         interrupted_at = len(output_lines(output))
         assert interrupted_at < LINES
+        # Records on the reply topic that are not answers: the collector dead-letters them and goes on.
+        await produce(settings, names.results_topic("acme"), POISON)
 
         second = await asyncio.to_thread(
             subprocess.run, cli, env=services.env, capture_output=True, text=True, timeout=180
@@ -137,6 +152,15 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         submitted = await keys_on(settings, names.batch_topic("sim"))
         assert len(submitted) == LINES - len(MALFORMED)
         assert set(submitted.values()) == {1}
+        letters = [
+            letter for letter in await read_dead_letters(settings.kafka_bootstrap, names)
+            if letter.source == names.results_topic("acme")
+        ]  # fmt: skip
+        assert sorted(letter.payload for letter in letters) == sorted(p.decode() for p in POISON)
+        assert all(
+            letter.reason and letter.consumer.startswith(f"{names.prefix}.batch-collector.")
+            for letter in letters
+        )
         status = await asyncio.to_thread(
             subprocess.run, [sys.executable, "-m", "infra.cli", "batch", "status", str(output)],
             env={**os.environ, **services.env}, capture_output=True, text=True, timeout=60,

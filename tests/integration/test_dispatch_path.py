@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiokafka import AIOKafkaProducer
 from prometheus_client import REGISTRY
 from redis.asyncio.client import PubSub
 
 from gpu_workers.simulated import reply_text
-from queue_schemas.codec import decode, decode_stream_event, encode
+from queue_schemas.codec import MAX_MESSAGE_BYTES, decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.deadletter import PAYLOAD_LIMIT
 from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,
@@ -75,19 +77,31 @@ async def test_malformed_messages_are_dead_lettered_and_the_dispatcher_carries_o
         wrong_pool = make_request("other", "req-wrong-pool-001")
         async with p.redis.pubsub() as pubsub:
             await pubsub.subscribe(names.stream_channel(good.request_id))
-            for payload in (b"\x00not json", b'{"v": 99}', encode(wrong_pool)):
-                await p.producer.send_and_wait(topic, payload, key=b"same")
+            truncated = encode(good)[:40]
+            wrong_schema = b'{"v": 1, "request_id": 5, "pool": "sim"}'
+            huge = b'{"v": 1, "pad": "' + b"x" * (MAX_MESSAGE_BYTES + 1024) + b'"}'
+            poison = (b"\x00not json", b'{"v": 99}', encode(wrong_pool), truncated, wrong_schema, huge)
+            big = AIOKafkaProducer(bootstrap_servers=p.settings.kafka_bootstrap, max_request_size=8 << 20)
+            await big.start()
+            try:
+                for payload in poison:
+                    await big.send_and_wait(topic, payload, key=b"same")
+            finally:
+                await big.stop()
             await p.producer.send_and_wait(topic, encode(good), key=b"same")
             events = await collect_events(pubsub)
         assert isinstance(events[-1], FinalChunk), events
 
         letters = await read_dead_letters(p.settings.kafka_bootstrap, names)
         reasons = sorted(letter.reason for letter in letters)
-        assert len(letters) == 3
-        assert any("not valid JSON" in r for r in reasons)
+        assert len(letters) == len(poison), reasons
+        assert sum("not valid JSON" in r for r in reasons) == 2  # the garbage and the truncated request
         assert any("unsupported schema version 99" in r for r in reasons)
         assert any("'other'" in r for r in reasons)
+        assert any("invalid InferenceRequest" in r and "request_id" in r for r in reasons)
+        assert any("exceeds" in r for r in reasons)
         assert all(letter.source == topic for letter in letters)
+        assert max(len(letter.payload) for letter in letters) <= PAYLOAD_LIMIT, "a huge payload is cut"
 
 
 def duplicates() -> float:
