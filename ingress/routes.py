@@ -95,15 +95,19 @@ async def list_models(ctx: Context, team: Team) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-async def read_json_body(request: Request, limit: int) -> Any:
+async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
+    """The parsed JSON body and its size. A body over `limit` is refused as soon as that is known: from
+    its Content-Length, or, for a chunked body, at the chunk that crosses the limit, never buffered whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
     try:
-        return json.loads(raw)
+        return json.loads(raw), len(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from None
 
@@ -124,7 +128,8 @@ NO_PLAN = OutputPlan()
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
-    body = parse_body(ChatCompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
+    raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
+    body = parse_body(ChatCompletionRequest, raw)
     pool = resolve_pool(ctx, team, body.model)
     compile_check = xgrammar_check if pool.engine == "vllm" else None
     plan = plan_output(body, f"call_{secrets.token_hex(12)}", compile_check, tool_parser=False)
@@ -133,16 +138,17 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
     def encode(messages: list[ChatMessage]) -> list[int]:
         return tokenizer.encode_chat(messages, plan.tools)
 
-    prompt_ids = await encode_off_loop(encode, body.messages, len(await request.body()))
+    prompt_ids = await encode_off_loop(encode, body.messages, size)
     return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request, ctx: Context, team: Team) -> Response:
-    body = parse_body(CompletionRequest, await read_json_body(request, ctx.settings.max_body_bytes))
+    raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
+    body = parse_body(CompletionRequest, raw)
     pool = resolve_pool(ctx, team, body.model)
     encode = ctx.tokenizers[pool.name].encode_text
-    prompt_ids = await encode_off_loop(encode, body.prompt_text(), len(await request.body()))
+    prompt_ids = await encode_off_loop(encode, body.prompt_text(), size)
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty.", param="prompt")
     return await serve(ctx, team, pool, body, prompt_ids, "text")

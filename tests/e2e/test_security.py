@@ -1,0 +1,151 @@
+"""Abuse and secrets through the real HTTP API: what reaches logs and Redis, what one team's key can reach,
+and bodies too large to read."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import redis.asyncio as aioredis
+from openai.types.chat import ChatCompletionMessageParam
+
+from infra.devstack import DevStack, Endpoints
+from infra.keys import create_key
+from queue_schemas.admission import new_request_id
+from queue_schemas.keys import hash_api_key
+from queue_schemas.names import Names
+from tests.e2e.conftest import openai_client, team_key
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+def redis_dump(endpoints: Endpoints) -> list[tuple[bytes, bytes]]:
+    """Every string key and its value (other types by name only)."""
+
+    async def go() -> list[tuple[bytes, bytes]]:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            out = []
+            async for key in redis.scan_iter(count=1000):
+                value = await redis.get(key) if await redis.type(key) == b"string" else b""
+                raw = value.encode() if isinstance(value, str) else value or b""
+                out.append((key, raw))
+            return out
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def all_logs(stack: DevStack) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(stack.log_dir.glob("*.log")))
+
+
+def test_no_prompt_completion_or_key_reaches_the_logs(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    stack, endpoints = dev_stack
+    canary = f"canary{secrets.token_hex(8)}"
+    key = team_key(endpoints, "log-scan")
+    client = openai_client(endpoints, key)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": f"system {canary}"},
+        {"role": "user", "content": f"tell me about {canary}"},
+    ]
+    streamed = client.chat.completions.create(
+        model="sluice-sim", messages=messages, stream=True, max_tokens=200
+    )
+    answer = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    whole = client.chat.completions.create(model="sluice-sim", messages=messages, max_tokens=200)
+    text = client.completions.create(model="sluice-sim", prompt=f"complete {canary}", max_tokens=200)
+    with pytest.raises(openai.APIError):  # fails mid-stream: its error path logs too
+        for _ in client.chat.completions.create(model="sluice-flaky", messages=messages, stream=True):
+            pass
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(endpoints, f"sk-wrong-{canary}").models.list()
+    completions = [answer, whole.choices[0].message.content or "", text.choices[0].text]
+    assert all(len(c) >= 20 for c in completions), "answers long enough to be recognised in a log"
+
+    time.sleep(1.0)  # the services' last lines reach their files
+    logs = all_logs(stack)
+    assert "request_id=" in logs, "the logs were read and carry request ids"
+    assert canary not in logs
+    assert key not in logs
+    for completion in completions:
+        assert completion not in logs
+
+
+def test_api_keys_are_stored_only_as_hashes(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    _, endpoints = dev_stack
+    key = team_key(endpoints, "hashed")
+    dump = redis_dump(endpoints)
+    assert any(k == Names().api_key(hash_api_key(key)).encode() for k, _ in dump)
+    secret = key.encode()
+    assert not [k for k, v in dump if secret in k or secret in v], "the key itself is stored nowhere"
+
+
+def test_request_ids_are_unguessable() -> None:
+    ids = {new_request_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids), "128 random bits each"
+
+
+def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    _, endpoints = dev_stack
+
+    async def restricted() -> str:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            return await create_key(redis, Names(), "only-sim", pools=("sim",))
+        finally:
+            await redis.aclose()
+
+    key_a = team_key(endpoints, "team-a")
+    key_b = asyncio.run(restricted())
+    reply = openai_client(endpoints, key_a).chat.completions.create(
+        model="sluice-sim", messages=[{"role": "user", "content": "mine"}]
+    )
+    # No route addresses a request by id: another team (or the same one) can neither read nor cancel it.
+    for method in ("GET", "DELETE", "POST"):
+        for path in (f"/v1/chat/completions/{reply.id}", f"/v1/chat/completions/{reply.id}/cancel"):
+            response = httpx.request(
+                method, endpoints.url + path, headers={"Authorization": f"Bearer {key_b}"}, timeout=10
+            )
+            assert response.status_code in (404, 405), (method, path, response.status_code)
+    paths = set(httpx.get(endpoints.url + "/openapi.json", timeout=10).json()["paths"])
+    assert not [p for p in paths if "{" in p], f"a route takes an id: {paths}"
+
+    # A key limited to some pools does not see the others.
+    client_b = openai_client(endpoints, key_b)
+    assert client_b.chat.completions.create(model="sluice-sim", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError) as err:
+        client_b.chat.completions.create(model="sluice-slow", messages=[{"role": "user", "content": "x"}])
+    assert err.value.code == "model_not_found"
+    assert "sluice-slow" not in {m.id for m in client_b.models.list()}
+
+
+def chunks(total: int, size: int) -> Iterator[bytes]:
+    sent = 0
+    while sent < total:
+        yield b" " * min(size, total - sent)
+        sent += size
+
+
+def test_oversized_bodies_are_refused_before_they_are_read(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    _, endpoints = dev_stack
+    headers = {"Authorization": f"Bearer {endpoints.api_key}", "Content-Type": "application/json"}
+    url = endpoints.url + "/v1/chat/completions"
+    limit = 4 * 1024 * 1024
+    declared = httpx.post(url, content=b"{" + b" " * limit + b"}", headers=headers, timeout=30)
+    assert declared.status_code == 413
+    assert "limit" in declared.json()["error"]["message"]
+    # Chunked, with no length announced: refused at the chunk that crosses the limit.
+    chunked = httpx.post(url, content=chunks(limit + 65536, 65536), headers=headers, timeout=30)
+    assert chunked.status_code == 413
+    # Unauthenticated callers are refused before their body is looked at.
+    anonymous = httpx.post(url, content=b"{" + b" " * limit + b"}", timeout=30)
+    assert anonymous.status_code == 401
