@@ -47,6 +47,7 @@ from queue_schemas.state import follow_channel
 from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.dispatcher")
+REDIS_PAUSE_S = 0.5  # between placement rounds while Redis does not answer
 
 
 class Dispatcher:
@@ -78,6 +79,7 @@ class Dispatcher:
         self.rng = random.Random()
         self._paused: set[str] = set()  # topics whose partitions are paused
         self._background: list[asyncio.Task[None]] = []
+        self._unadmitted: list[ConsumerRecord[Any, Any]] = []
 
     async def run(self, stop: asyncio.Event) -> None:
         self.consumer.subscribe([self.topic, self.batch_topic], listener=_Rebalance(self))
@@ -95,8 +97,13 @@ class Dispatcher:
         try:
             while not stop.is_set():
                 await self._receive()
-                await self._place_held()
-                await self._expire()
+                try:
+                    await self._place_held()
+                    await self._expire()
+                except RedisError as exc:
+                    # Requests stay held (their offsets uncommitted) until Redis answers again.
+                    log.warning("redis unavailable; placement paused", error=str(exc))
+                    await asyncio.sleep(REDIS_PAUSE_S)
                 await self._acknowledge()
                 self._flow_control()
         finally:
@@ -110,6 +117,9 @@ class Dispatcher:
 
     # receive
     async def _receive(self) -> None:
+        if self._unadmitted:  # batch records whose admission met a Redis failure: theirs is the next try
+            retry, self._unadmitted = self._unadmitted, []
+            await asyncio.gather(*(self._admit_batch(record) for record in retry))
         wait_ms = int(self.settings.hold_poll_s * 1000) if len(self.hold) else 200
         batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await self.consumer.getmany(
             timeout_ms=wait_ms, max_records=self.settings.fetch_max_records
@@ -128,7 +138,12 @@ class Dispatcher:
             await asyncio.gather(*(self._admit_batch(record) for record in batch_records))
 
     async def _admit_batch(self, record: ConsumerRecord[Any, Any]) -> None:
-        request = await self.batch.admit(record)
+        try:
+            request = await self.batch.admit(record)
+        except RedisError as exc:
+            log.warning("batch record not admitted yet; redis unavailable", error=str(exc))
+            self._unadmitted.append(record)  # its offset stays open: it is neither lost nor committed
+            return
         source = (record.topic, record.partition)
         if request is None or not self.hold.add(Held(request, source, record.offset, time.monotonic())):
             self.offsets.closed(source, record.offset)
@@ -215,12 +230,13 @@ class Dispatcher:
 
     async def _expire(self) -> None:
         for held in self.hold.expired(time.time()):
-            self._finish(held)
-            metrics.OUTCOMES.labels(self.pool, "timeout").inc()
+            # Answered before it leaves the hold: if Redis fails here, the next round tries again.
             await settle(self.redis, self.names, held.request.request_id, 0)
             await self._answer_error(
                 held.request, ErrorCode.TIMEOUT, "no worker could take the request in time"
             )
+            self._finish(held)
+            metrics.OUTCOMES.labels(self.pool, "timeout").inc()
 
     # acknowledge
     async def _acknowledge(self) -> None:

@@ -216,9 +216,8 @@ class DevStack:
         (proc,) = [p for p in self.processes if p.name == name]
         return proc
 
-    def restart(self, name: str, *, kill: bool = True, down_s: float = 0.0) -> ManagedProcess:
-        """Stop one process (SIGKILL with `kill`, else SIGTERM and a wait), leave it down `down_s`, then
-        start the same command again, as a supervisor would. Returns the new process."""
+    def halt(self, name: str, *, kill: bool = True) -> None:
+        """Stop one process: SIGKILL with `kill`, else SIGTERM and a wait. `resume` starts it again."""
         old = self.process(name)
         if kill:
             with contextlib.suppress(ProcessLookupError):
@@ -226,10 +225,19 @@ class DevStack:
             old.popen.wait(10)
         else:
             old.stop()
-        time.sleep(down_s)
+
+    def resume(self, name: str) -> ManagedProcess:
+        """Start a halted process's command again, as a supervisor would."""
+        old = self.process(name)
         new = old.relaunch()
         self.processes[self.processes.index(old)] = new
         return new
+
+    def restart(self, name: str, *, kill: bool = True, down_s: float = 0.0) -> ManagedProcess:
+        """Halt one process, leave it down `down_s`, then resume it."""
+        self.halt(name, kill=kill)
+        time.sleep(down_s)
+        return self.resume(name)
 
     def stop(self) -> None:
         """Stop the services together (they drain), then Redis and the broker."""

@@ -13,19 +13,28 @@ test-artifacts/chaos.json.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from infra.devstack import DevStack, Endpoints
 from infra.launcher import free_port, start_object_store
+from queue_schemas.clients import redis_client
+from queue_schemas.codec import encode
+from queue_schemas.settings import BusSettings
 from tests.chaos.load import Load, Outcome
+from tests.integration.helpers import create_topics, make_request
+from tests.integration.test_batch import chat, read_answers, submission
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -118,7 +127,7 @@ def recovered_at(outcomes: list[Outcome], since: float) -> float | None:
 
 
 def exercise(
-    endpoints: Endpoints, faults: list[tuple[str, Callable[[], object]]], clients: int
+    dev: DevStack, endpoints: Endpoints, faults: list[tuple[str, Callable[[], object]]], clients: int
 ) -> tuple[dict[str, dict[str, object]], dict[str, float], list[Outcome]]:
     """Run the load through each fault in turn: (report per fault, when each struck, every outcome)."""
     load = Load(endpoints.url, endpoints.api_key, "sluice-sim", clients=clients)
@@ -163,9 +172,17 @@ def keep(name: str, report: dict[str, dict[str, object]], outcomes: list[Outcome
         )
 
 
+def assert_all_running(dev: DevStack) -> None:
+    """No service died of another's fault (the test restarts only what it killed)."""
+    dead = [f"{p.name}:\n{p.log_tail(40)}" for p in dev.processes if not p.alive]
+    assert not dead, "\n".join(dead)
+
+
 def assert_each_ended_once(outcomes: list[Outcome], cut_at: float | None = None) -> None:
     broken = [o for o in outcomes if o.kind in ("hung", "bad")]
     assert not broken, f"requests without exactly one terminal event: {broken[:5]}"
+    refused = [o.detail for o in outcomes if o.kind == "refused"]
+    assert all(d.startswith(("503", "429")) for d in refused), f"refused other than 503/429: {refused[:5]}"
     # Only a dead ingress cuts streams: the ones open when it died.
     cut = [o for o in outcomes if o.kind == "cut"]
     if cut_at is None:
@@ -185,7 +202,7 @@ def test_every_accepted_request_ends_once_through_every_service_fault(
         ("scaler", lambda: dev.restart("scaler")),
         ("redis", lambda: dev.restart("redis", kill=False, down_s=1.0)),
     ]
-    report, struck, outcomes = exercise(endpoints, faults, clients=6)
+    report, struck, outcomes = exercise(dev, endpoints, faults, clients=6)
     keep("chaos", report, outcomes)
     assert_each_ended_once(outcomes, cut_at=struck["ingress"])
     assert sum(1 for o in outcomes if o.kind == "ok") > 100, "the load kept flowing between the faults"
@@ -195,8 +212,53 @@ def test_every_accepted_request_ends_once_through_a_broker_restart(
     durable_stack: tuple[DevStack, Endpoints],
 ) -> None:
     dev, endpoints = durable_stack
-    report, _, outcomes = exercise(
-        endpoints, [("broker", lambda: dev.restart("broker", down_s=1.0))], clients=3
-    )
+    faults: list[tuple[str, Callable[[], object]]] = [("broker", lambda: dev.restart("broker", down_s=1.0))]
+    report, _, outcomes = exercise(dev, endpoints, faults, clients=3)
     keep("chaos-broker", report, outcomes)
     assert_each_ended_once(outcomes)
+
+
+def test_records_written_while_redis_is_down_are_served_when_it_returns(
+    stack: tuple[DevStack, Endpoints],
+) -> None:
+    """Batch submitters and the ingress's last produces can put records on Kafka while Redis is down: the
+    dispatcher keeps them (placement paused, batch admission deferred) and serves them once it is back."""
+    dev, endpoints = stack
+    bus = BusSettings(kafka_bootstrap=endpoints.kafka_bootstrap, redis_url=endpoints.redis_url)
+    names = bus.names
+    reply = f"{names.prefix}.answers.redis-down"
+    interactive = make_request("sim", f"redis-down-{secrets.token_hex(6)}", max_tokens=5)
+    custom_id = f"redis-down-{secrets.token_hex(6)}"
+    batch = submission(custom_id, chat("while redis was down", max_tokens=5), team="dev", reply_topic=reply)
+
+    async def produce() -> None:
+        await create_topics(bus, reply, partitions=1)
+        producer = AIOKafkaProducer(bootstrap_servers=bus.kafka_bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(names.requests_topic("sim"), encode(interactive))
+            await producer.send_and_wait(names.batch_topic("sim"), json.dumps(batch).encode())
+        finally:
+            await producer.stop()
+
+    dev.halt("redis", kill=False)
+    try:
+        asyncio.run(produce())
+        time.sleep(2.0)  # the dispatcher meets the outage with both records in hand
+        assert dev.process("dispatcher-sim").alive, dev.process("dispatcher-sim").log_tail(40)
+    finally:
+        dev.resume("redis")
+
+    async def served() -> tuple[object, list[dict[str, Any]]]:
+        answers = await read_answers(bus.kafka_bootstrap, reply, 1, 30)
+        redis = redis_client(bus)
+        try:
+            return await redis.get(names.placement(interactive.request_id)), answers
+        finally:
+            await redis.aclose()
+
+    placed_on, answers = asyncio.run(served())
+    assert placed_on is not None, "the interactive request was placed once Redis was back"
+    assert [a["custom_id"] for a in answers] == [custom_id]
+    assert answers[0]["response"]["status_code"] == 200, answers[0]
+    assert_all_running(dev)
