@@ -217,6 +217,11 @@ class Worker:
         )
         started = False
         pieces: EarlyStart | None = None
+
+        def produced() -> bool:
+            """Whether the engine gave output: a request stopped after that is charged what it used."""
+            return started or coalescer.completion_tokens > 0
+
         try:
             refusal = start_refusal(request, time.time())
             if refusal is None:
@@ -240,14 +245,14 @@ class Worker:
                     await self._deliver(out, coalescer.add(piece, time.monotonic()))
         except EngineError as exc:
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
-            await self._fail(out, coalescer, started, ErrorCode.ENGINE_ERROR, str(exc))
+            await self._fail(out, coalescer, produced(), ErrorCode.ENGINE_ERROR, str(exc))
         except asyncio.CancelledError:
             if request.batch is not None and self._abort_reason[0] != ErrorCode.CANCELLED:
                 # This worker is going away; nobody has seen the output, so a dispatcher places the
                 # entry again (its quota reservation stays for whoever finishes it).
                 log.warning("batch request left for another worker", request_id=request.request_id)
                 return
-            await self._fail(out, coalescer, started, *self._abort_reason)
+            await self._fail(out, coalescer, produced(), *self._abort_reason)
         except (RedisError, BusUnavailable) as exc:
             log.error("lost the bus while answering", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
