@@ -25,7 +25,6 @@ from typing import Any
 
 import boto3
 import pytest
-from aiokafka import AIOKafkaProducer
 
 from infra.devstack import DevStack, Endpoints
 from infra.launcher import free_port, start_object_store
@@ -33,8 +32,7 @@ from queue_schemas.clients import redis_client
 from queue_schemas.codec import encode
 from queue_schemas.settings import BusSettings
 from tests.chaos.load import Load, Outcome
-from tests.integration.helpers import create_topics, make_request
-from tests.integration.test_batch import chat, read_answers, submission
+from tests.integration.helpers import chat, create_topics, make_request, produce, read_answers, submission
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -231,19 +229,16 @@ def test_records_written_while_redis_is_down_are_served_when_it_returns(
     custom_id = f"redis-down-{secrets.token_hex(6)}"
     batch = submission(custom_id, chat("while redis was down", max_tokens=5), team="dev", reply_topic=reply)
 
-    async def produce() -> None:
+    async def produce_both() -> None:
         await create_topics(bus, reply, partitions=1)
-        producer = AIOKafkaProducer(bootstrap_servers=bus.kafka_bootstrap)
-        await producer.start()
-        try:
-            await producer.send_and_wait(names.requests_topic("sim"), encode(interactive))
-            await producer.send_and_wait(names.batch_topic("sim"), json.dumps(batch).encode())
-        finally:
-            await producer.stop()
+        await produce(bus, [
+            (names.requests_topic("sim"), encode(interactive)),
+            (names.batch_topic("sim"), json.dumps(batch).encode()),
+        ])  # fmt: skip
 
     dev.halt("redis", kill=False)
     try:
-        asyncio.run(produce())
+        asyncio.run(produce_both())
         time.sleep(2.0)  # the dispatcher meets the outage with both records in hand
         assert dev.process("dispatcher-sim").alive, dev.process("dispatcher-sim").log_tail(40)
     finally:

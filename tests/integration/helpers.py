@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -204,3 +205,41 @@ async def collect(
 
 def terminals(events: list[StreamEvent]) -> list[StreamEvent]:
     return [e for e in events if isinstance(e, FinalChunk | ErrorChunk)]
+
+
+async def produce(settings: BusSettings, records: list[tuple[str, bytes]]) -> None:
+    """Write raw (topic, payload) records, as a plain Kafka client would."""
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await producer.start()
+    try:
+        for topic, payload in records:
+            await producer.send_and_wait(topic, payload)
+    finally:
+        await producer.stop()
+
+
+def submission(request_id: str, body: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"v": 1, "request_id": request_id, "custom_id": request_id, "team": "acme", "body": body, **fields}
+
+
+def chat(text: str, **fields: Any) -> dict[str, Any]:
+    return {"model": "sluice-sim", "messages": [{"role": "user", "content": text}], **fields}
+
+
+async def read_answers(bootstrap: str, topic: str, count: int, within_s: float) -> list[dict[str, Any]]:
+    """Every message on the reply topic until `count` arrived (then a short wait for duplicates)."""
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", fetch_max_wait_ms=50
+    )
+    await consumer.start()
+    answers: list[dict[str, Any]] = []
+    try:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline and len(answers) < count:
+            batch = await consumer.getmany(timeout_ms=500)
+            answers += [json.loads(r.value) for records in batch.values() for r in records]
+        batch = await consumer.getmany(timeout_ms=1000)
+        answers += [json.loads(r.value) for records in batch.values() for r in records]
+    finally:
+        await consumer.stop()
+    return answers

@@ -3,44 +3,15 @@
 from __future__ import annotations
 
 import json
-import time
-from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 
 from queue_schemas.quota import TeamLimits, TeamRecord
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import create_topics, pipeline
+from tests.integration.helpers import chat, create_topics, pipeline, read_answers, submission
 
 pytestmark = pytest.mark.integration
-
-
-def submission(request_id: str, body: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    return {"v": 1, "request_id": request_id, "custom_id": request_id, "team": "acme", "body": body, **fields}
-
-
-def chat(text: str, **fields: Any) -> dict[str, Any]:
-    return {"model": "sluice-sim", "messages": [{"role": "user", "content": text}], **fields}
-
-
-async def read_answers(bootstrap: str, topic: str, count: int, within_s: float) -> list[dict[str, Any]]:
-    """Every message on the reply topic until `count` arrived (then a short wait for duplicates)."""
-    consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", fetch_max_wait_ms=50
-    )
-    await consumer.start()
-    answers: list[dict[str, Any]] = []
-    try:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline and len(answers) < count:
-            batch = await consumer.getmany(timeout_ms=500)
-            answers += [json.loads(r.value) for records in batch.values() for r in records]
-        batch = await consumer.getmany(timeout_ms=1000)
-        answers += [json.loads(r.value) for records in batch.values() for r in records]
-    finally:
-        await consumer.stop()
-    return answers
 
 
 async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) -> None:

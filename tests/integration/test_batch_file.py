@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 
 from queue_schemas.clients import redis_client
 from queue_schemas.quota import TeamRecord
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import Services, create_topics
+from tests.integration.helpers import Services, create_topics, produce
 from tests.integration.test_failover import POOL_FILE, wait_workers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -32,16 +32,6 @@ REFUSED = {40: {"n": 3}, 600: {"temperature": 9}}  # valid lines the dispatcher 
 
 
 POISON = [b'{"v": 1, "request_id": "trunc', b'{"v": 1, "kind": "answer"}', b'{"v": 7}']
-
-
-async def produce(settings: BusSettings, topic: str, payloads: list[bytes]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
-    await producer.start()
-    try:
-        for payload in payloads:
-            await producer.send_and_wait(topic, payload)
-    finally:
-        await producer.stop()
 
 
 def batch_file(path: Path) -> None:
@@ -127,7 +117,7 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         interrupted_at = len(output_lines(output))
         assert interrupted_at < LINES
         # Records on the reply topic that are not answers: the collector dead-letters them and goes on.
-        await produce(settings, names.results_topic("acme"), POISON)
+        await produce(settings, [(names.results_topic("acme"), p) for p in POISON])
 
         second = await asyncio.to_thread(
             subprocess.run, cli, env=services.env, capture_output=True, text=True, timeout=180
