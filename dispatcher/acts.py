@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -14,7 +13,7 @@ from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from queue_schemas.codec import encode
-from queue_schemas.deadletter import dead_letter
+from queue_schemas.deadletter import send_dead_letter
 
 log = structlog.get_logger("sluice.dispatcher")
 
@@ -76,11 +75,7 @@ class Acts:
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
-        raw: bytes = record.value or b""
-        letter = dead_letter(
-            record.topic, record.partition, record.offset, raw, reason, self.consumer_id, time.time()
-        )
-        await self.producer.send_and_wait(self.names.deadletter_topic(), encode(letter))
+        await send_dead_letter(self.producer, self.names.deadletter_topic(), record, reason, self.consumer_id)
         metrics.OUTCOMES.labels(self.settings.pool, "dead_letter").inc()
         log.warning(
             "dead-lettered",

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from infra.topics import RESULTS_PARTITIONS, create_missing
 from queue_schemas.batch import BatchAnswer
 from queue_schemas.clients import consumer_options, producer_options
 from queue_schemas.codec import decode, encode
-from queue_schemas.deadletter import dead_letter
+from queue_schemas.deadletter import send_dead_letter
 from queue_schemas.errors import SchemaError
 from queue_schemas.settings import BusSettings
 
@@ -124,16 +123,7 @@ class DeadLetters:
     consumer: str
 
     async def send(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
-        letter = dead_letter(
-            record.topic,
-            record.partition,
-            record.offset,
-            record.value or b"",
-            reason,
-            self.consumer,
-            time.time(),
-        )
-        await self.producer.send_and_wait(self.topic, encode(letter))
+        await send_dead_letter(self.producer, self.topic, record, reason, self.consumer)
 
 
 def _write(out: IO[str], lines: list[dict[str, Any]]) -> None:

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from aiokafka import AIOKafkaProducer, ConsumerRecord
+
+from queue_schemas.codec import encode
 from queue_schemas.messages import DeadLetter
 
 PAYLOAD_LIMIT = 64 * 1024
 
 
-def dead_letter(
-    source: str, partition: int | None, offset: int | None, raw: bytes, reason: str, consumer: str, now: float
-) -> DeadLetter:
+def dead_letter(record: ConsumerRecord[Any, Any], reason: str, consumer: str, now: float) -> DeadLetter:
+    raw: bytes = record.value or b""
     return DeadLetter(
-        source=source,
-        partition=partition,
-        offset=offset,
+        source=record.topic,
+        partition=record.partition,
+        offset=record.offset,
         reason=reason,
         payload=raw[:PAYLOAD_LIMIT].decode(errors="replace"),
         consumer=consumer,
         failed_at=now,
     )
+
+
+async def send_dead_letter(
+    producer: AIOKafkaProducer, topic: str, record: ConsumerRecord[Any, Any], reason: str, consumer: str
+) -> None:
+    """Produce `record`'s dead letter to `topic` and wait for the broker's acknowledgement."""
+    await producer.send_and_wait(topic, encode(dead_letter(record, reason, consumer, time.time())))
