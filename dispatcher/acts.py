@@ -12,6 +12,7 @@ from dispatcher import metrics
 from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
+from queue_schemas.clients import BusUnavailable
 from queue_schemas.codec import encode
 from queue_schemas.deadletter import send_dead_letter
 
@@ -75,7 +76,13 @@ class Acts:
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
-        await send_dead_letter(self.producer, self.names.deadletter_topic(), record, reason, self.consumer_id)
+        """Send the record to the dead-letter topic; BusUnavailable if the broker does not take it."""
+        try:
+            await send_dead_letter(
+                self.producer, self.names.deadletter_topic(), record, reason, self.consumer_id
+            )
+        except Exception as exc:
+            raise BusUnavailable(f"dead-lettering failed: {exc}") from exc
         metrics.OUTCOMES.labels(self.settings.pool, "dead_letter").inc()
         log.warning(
             "dead-lettered",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -20,9 +21,10 @@ from aiokafka import ConsumerRecord
 from dispatcher import metrics
 from dispatcher.batch_intake import batch_request, parse_batch_body, prompt_ids
 from dispatcher.hold import Held
-from queue_schemas.answers import AnswerSink
+from queue_schemas.answers import AnswerSink, Delivery
 from queue_schemas.api_errors import ApiError, InsufficientQuota, InvalidRequest, RateLimited
 from queue_schemas.batch import (
+    TEAM_NAME,
     BatchAnswer,
     Envelope,
     failed_answer,
@@ -31,12 +33,14 @@ from queue_schemas.batch import (
     load_record,
     parse_submission,
     read_envelope,
+    reply_topic_owned,
 )
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamRecord
 from queue_schemas.quota_gate import QuotaGate
+from queue_schemas.signing import Headers, read_signature, signature_valid
 from queue_schemas.structured import xgrammar_check
 from queue_schemas.tokenizer import PromptTokenizer
 
@@ -47,10 +51,17 @@ QUOTA_STORE_RETRY_S = 1.0
 TEAM_CACHE_S = 10.0
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A submission answered with an error, not held: `send` delivers the answer (the caller decides when,
+    so a slow reply topic never holds up placement)."""
+
+    send: Callable[[], Awaitable[object]]
+
+
 class Reserve(Enum):
     GO = "go"
     WAIT = "wait"  # rate limited: try again at held.not_before
-    REFUSED = "refused"  # answered with the 429; the request leaves the hold
 
 
 class BatchDesk:
@@ -71,70 +82,106 @@ class BatchDesk:
         self.quota = QuotaGate(redis, names)
         self._dead_letter = dead_letter
         self._compile_check = xgrammar_check if pool.engine == "vllm" else None
-        self._teams: dict[str, float] = {}  # known team -> until when (monotonic) that is trusted
+        self._teams: dict[str, tuple[float, TeamRecord]] = {}  # team -> (trusted until, record)
 
-    async def admit(self, record: ConsumerRecord[Any, Any]) -> InferenceRequest | None:
-        """The request to hold, or None when the submission was answered, dead-lettered or is a duplicate."""
-        obj = load_record(record.value or b"")
-        envelope = obj if isinstance(obj, str) else read_envelope(obj, self.names, (self.pool.name,))
+    async def admit(self, record: ConsumerRecord[Any, Any]) -> InferenceRequest | Refusal | None:
+        """The request to hold, its refusal to deliver, or None when the submission was dead-lettered or
+        is a duplicate.
+
+        The signature is checked before anything else: an unproven record is never answered on a topic
+        it names, only dead-lettered. A proven team's answers go only to topics the team owns."""
+        raw: bytes = record.value or b""
+        obj = load_record(raw)
+        if isinstance(obj, str):
+            await self._dead_letter(record, obj)
+            return None
+        problem = await self._signature_problem(obj, raw, record.headers)
+        envelope = problem or read_envelope(obj, self.names, (self.pool.name,))
         if isinstance(envelope, str):
             await self._dead_letter(record, envelope)
             return None
-        assert not isinstance(obj, str)
+        assert envelope.team is not None  # the signature proved it
+        team = await self._team_record(envelope.team)
+        if team is None or not reply_topic_owned(
+            envelope.reply_topic, envelope.team, self.names, team.reply_prefixes
+        ):
+            owned = envelope.model_copy(update={"reply_topic": self.names.results_topic(envelope.team)})
+            return self._refusal(owned, record, _not_allowed(envelope, team))
         sub = parse_submission(obj)
         if isinstance(sub, str):
-            await self._refuse(envelope, record, InvalidRequest(sub, code="invalid_submission"))
-            return None
+            return self._refusal(envelope, record, InvalidRequest(sub, code="invalid_submission"))
         rid = internal_request_id(sub.team, sub.request_id)
         if await self._seen(rid):
             metrics.OUTCOMES.labels(self.pool.name, "duplicate").inc()
             return None
         try:
-            if not await self._team_exists(sub.team):
-                raise InvalidRequest(f"Unknown team '{sub.team}'.", param="team", code="unknown_team")
             parsed = parse_batch_body(sub, self.pool, self._compile_check)
             ids = await prompt_ids(sub, parsed, self.tokenizer)
             return batch_request(sub, envelope.reply_topic, self.pool, parsed, ids, time.time())
         except ApiError as err:
-            await self._refuse(envelope, record, err)
-            return None
+            return self._refusal(envelope, record, err)
 
-    async def _team_exists(self, team: str) -> bool:
-        """Whether the team has a record; a known team is remembered for TEAM_CACHE_S."""
+    async def _signature_problem(
+        self, obj: dict[str, Any], raw: bytes, headers: Headers | None
+    ) -> str | None:
+        """Why the record is not proven to come from the team it names, or None when it is."""
+        team = obj.get("team")
+        if not isinstance(team, str) or TEAM_NAME.match(team) is None:
+            return "the record names no valid team"
+        signature = read_signature(headers)
+        if isinstance(signature, str):
+            return signature
+        key_id, sig = signature
+        public = await self.redis.hget(self.names.signing_keys(team), key_id)
+        if public is None:
+            return f"signing key {key_id!r} is not registered for team {team!r}"
+        if not signature_valid(public, raw, sig):
+            return f"the signature does not match the record (key {key_id!r} of team {team!r})"
+        return None
+
+    async def _team_record(self, team: str) -> TeamRecord | None:
+        """The team's record, remembered for TEAM_CACHE_S; None when the team has none (refused)."""
         now = time.monotonic()
-        if self._teams.get(team, 0.0) > now:
-            return True
-        if not await self.redis.exists(self.names.team(team)):
-            return False
-        self._teams[team] = now + TEAM_CACHE_S
-        return True
+        cached = self._teams.get(team)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        raw = await self.redis.get(self.names.team(team))
+        if raw is None:
+            return None
+        try:
+            record = TeamRecord.model_validate_json(raw)
+        except ValueError:
+            log.error("team record is invalid; its submissions are refused", team=team)
+            return None
+        self._teams[team] = (now + TEAM_CACHE_S, record)
+        return record
 
     async def _seen(self, rid: str) -> bool:
         """Placed already (a redelivery) or answered already (a resubmission)."""
         return bool(await self.redis.exists(self.names.placement(rid), self.names.answered(rid)))
 
-    async def reserve(self, held: Held) -> Reserve:
+    async def reserve(self, held: Held) -> Reserve | Refusal:
         """Reserve the team's quota for a batch request about to be placed (ingress did it for the rest)."""
         request = held.request
         if held.reserved or held.moved_from is not None or request.batch is None:
             return Reserve.GO
         now = time.time()
         try:
-            raw = await self.redis.get(self.names.team(request.team))
-            limits = (
-                TeamRecord.model_validate_json(raw).limits if raw else TeamRecord(team=request.team).limits
-            )
+            team = await self._team_record(request.team)
+            if team is None:
+                raise InsufficientQuota(f"Team '{request.team}' has no record, so no quota.")
+            limits = team.limits
             cost = len(request.prompt_token_ids) + request.sampling.max_tokens
             await self.quota.reserve(request.team, limits, request.request_id, cost, request.deadline - now)
         except RateLimited as err:
             held.not_before = now + int(err.headers.get("retry-after-ms", "1000")) / 1000
             return Reserve.WAIT
         except InsufficientQuota as err:
-            await self.answer(request, http_answer(
+            answer = http_answer(
                 request.request_id, request.batch.request_id, request.batch.custom_id, err.status, err.body()
-            ))  # fmt: skip
+            )
             metrics.OUTCOMES.labels(self.pool.name, "quota").inc()
-            return Reserve.REFUSED
+            return Refusal(lambda: self.answer(request, answer))
         except ApiError:  # the quota store is unreachable: try again shortly
             held.not_before = now + QUOTA_STORE_RETRY_S
             return Reserve.WAIT
@@ -148,20 +195,32 @@ class BatchDesk:
         assert request.reply_topic is not None
         await self.answers.deliver(request.reply_topic, request.request_id, answer)
 
+    def _refusal(self, envelope: Envelope, record: ConsumerRecord[Any, Any], err: ApiError) -> Refusal:
+        """The answer to a submission that cannot be served: the HTTP error it would have got."""
+        return Refusal(lambda: self._refuse(envelope, record, err))
+
     async def _refuse(self, envelope: Envelope, record: ConsumerRecord[Any, Any], err: ApiError) -> None:
-        """Answer a submission that cannot be served with the HTTP error it would have got."""
         key = (
             internal_request_id(envelope.team, envelope.request_id)
             if envelope.team and envelope.request_id
             else f"{record.topic}-{record.partition}-{record.offset}"
         )
         answer = http_answer(key, envelope.request_id, envelope.custom_id, err.status, err.body())
-        try:
-            await self.answers.deliver(envelope.reply_topic, key, answer)
-        except (
-            Exception
-        ) as exc:  # the reply topic cannot take it: the submission goes to the dead-letter topic
-            await self._dead_letter(record, f"{err.message} (and its answer could not be delivered: {exc})")
-            return
-        metrics.OUTCOMES.labels(self.pool.name, "refused").inc()
+        delivery = await self.answers.deliver(envelope.reply_topic, key, answer)
+        outcome = "refused" if delivery is not Delivery.DEAD_LETTERED else "dead_letter"
+        metrics.OUTCOMES.labels(self.pool.name, outcome).inc()
         log.info("batch submission refused", reason=err.message, offset=record.offset)
+
+
+def _not_allowed(envelope: Envelope, team: TeamRecord | None) -> ApiError:
+    if team is None:
+        return InvalidRequest(
+            f"Team '{envelope.team}' has no record; ask an operator to create it.",
+            param="team",
+            code="unknown_team",
+        )
+    return InvalidRequest(
+        f"Reply topic '{envelope.reply_topic}' is not one of team '{envelope.team}''s topics.",
+        param="reply_topic",
+        code="reply_topic_not_owned",
+    )

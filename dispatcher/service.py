@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import random
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -30,7 +32,7 @@ from redis.exceptions import RedisError
 
 from dispatcher import metrics
 from dispatcher.acts import Acts
-from dispatcher.batch_desk import BatchDesk, Reserve
+from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Demand, choose_least_loaded
@@ -39,6 +41,7 @@ from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
 from queue_schemas.answers import AnswerSink
+from queue_schemas.clients import BusUnavailable
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
@@ -67,8 +70,10 @@ class Dispatcher:
         self.pool = settings.pool
         self.topic = self.names.requests_topic(settings.pool)
         self.batch_topic = self.names.batch_topic(settings.pool)
-        self.answers = AnswerSink(redis, self.names, lambda: producer, started=producer)
         self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
+        self.answers = AnswerSink(
+            redis, self.names, lambda: producer, started=producer, sender=self.consumer_id
+        )
         self.acts = Acts(redis, settings, producer, self.consumer_id)
         pool_config = settings.load_pools().pool(settings.pool)
         self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self.acts.dead_letter)
@@ -80,6 +85,7 @@ class Dispatcher:
         self._paused: set[str] = set()  # topics whose partitions are paused
         self._background: list[asyncio.Task[None]] = []
         self._unadmitted: list[ConsumerRecord[Any, Any]] = []
+        self._answering: set[asyncio.Task[None]] = set()  # answers being delivered in the background
 
     async def run(self, stop: asyncio.Event) -> None:
         self.consumer.subscribe([self.topic, self.batch_topic], listener=_Rebalance(self))
@@ -100,9 +106,9 @@ class Dispatcher:
                 try:
                     await self._place_held()
                     await self._expire()
-                except RedisError as exc:
-                    # Requests stay held (their offsets uncommitted) until Redis answers again.
-                    log.warning("redis unavailable; placement paused", error=str(exc))
+                except (RedisError, BusUnavailable) as exc:
+                    # Requests stay held (their offsets uncommitted) until Redis or the broker answers.
+                    log.warning("bus unavailable; placement paused", error=str(exc))
                     await asyncio.sleep(REDIS_PAUSE_S)
                 await self._acknowledge()
                 self._flow_control()
@@ -111,6 +117,8 @@ class Dispatcher:
                 task.cancel()
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(self._background, timeout=2.0)
+            if self._answering:  # answers under way get a moment; unfinished ones are redelivered
+                await asyncio.wait(self._answering, timeout=5.0)
             # Requests still held are not committed: the group redelivers them to whoever owns them next.
             with contextlib.suppress(Exception):
                 await self._acknowledge()
@@ -140,12 +148,18 @@ class Dispatcher:
     async def _admit_batch(self, record: ConsumerRecord[Any, Any]) -> None:
         try:
             request = await self.batch.admit(record)
-        except RedisError as exc:
-            log.warning("batch record not admitted yet; redis unavailable", error=str(exc))
+        except (RedisError, BusUnavailable) as exc:
+            log.warning("batch record not admitted yet; bus unavailable", error=str(exc))
             self._unadmitted.append(record)  # its offset stays open: it is neither lost nor committed
             return
         source = (record.topic, record.partition)
-        if request is None or not self.hold.add(Held(request, source, record.offset, time.monotonic())):
+        if isinstance(request, Refusal):
+            self._in_background(
+                request.send,
+                done=lambda: self.offsets.closed(source, record.offset),
+                retry=lambda: self._unadmitted.append(record),
+            )
+        elif request is None or not self.hold.add(Held(request, source, record.offset, time.monotonic())):
             self.offsets.closed(source, record.offset)
 
     async def _admit(self, record: ConsumerRecord[Any, Any]) -> None:
@@ -156,7 +170,8 @@ class Dispatcher:
                     f"request for pool {request.pool!r} arrived on the topic of pool {self.pool!r}"
                 )
         except SchemaError as exc:
-            await self.acts.dead_letter(record, str(exc))
+            with contextlib.suppress(BusUnavailable):  # logged by the dead-letter path
+                await self.acts.dead_letter(record, str(exc))
             self.offsets.closed((record.topic, record.partition), record.offset)
             return
         held = Held(request, (record.topic, record.partition), record.offset, time.monotonic())
@@ -198,13 +213,14 @@ class Dispatcher:
         if decision.worker_id is None:
             return False
         reserved = await self.batch.reserve(held)
+        if isinstance(reserved, Refusal):
+            self._answer_soon(held, reserved.send)
+            return True
         if reserved is not Reserve.GO:
-            if reserved is Reserve.REFUSED:
-                self._finish(held)
-            return reserved is Reserve.REFUSED
+            return False
         outcome = await self.acts.place(held, decision)
-        self._finish(held)
         if outcome == "placed":
+            self._finish(held)
             self.hold.charge(request.team, held.cost)
             self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
             metrics.PLACEMENTS.labels(self.pool).inc()
@@ -217,9 +233,10 @@ class Dispatcher:
             await settle(self.redis, self.names, request.request_id, 0)
         elif outcome == "started":
             await settle(self.redis, self.names, request.request_id, 0)
-            await self._answer_error(
-                request, ErrorCode.WORKER_LOST, "the worker serving the request was lost"
-            )
+            lost = "the worker serving the request was lost"
+            self._answer_soon(held, partial(self._answer_error, request, ErrorCode.WORKER_LOST, lost))
+            return True
+        self._finish(held)
         return True
 
     def _finish(self, held: Held) -> None:
@@ -230,13 +247,43 @@ class Dispatcher:
 
     async def _expire(self) -> None:
         for held in self.hold.expired(time.time()):
-            # Answered before it leaves the hold: if Redis fails here, the next round tries again.
+            # Settled before it leaves the hold: if Redis fails here, the next round tries again.
             await settle(self.redis, self.names, held.request.request_id, 0)
-            await self._answer_error(
-                held.request, ErrorCode.TIMEOUT, "no worker could take the request in time"
-            )
-            self._finish(held)
+            late = "no worker could take the request in time"
+            self._answer_soon(held, partial(self._answer_error, held.request, ErrorCode.TIMEOUT, late))
             metrics.OUTCOMES.labels(self.pool, "timeout").inc()
+
+    def _answer_soon(self, held: Held, send: Callable[[], Awaitable[object]]) -> None:
+        """The request leaves the hold now and is answered in the background; its record's offset stays
+        open until the answer is out. If the broker is unreachable it comes back to the hold."""
+
+        def retry() -> None:
+            held.not_before = time.time() + REDIS_PAUSE_S
+            self.hold.add(held)
+
+        self.hold.remove(held.request.request_id)
+        self._in_background(send, done=lambda: self._finish(held), retry=retry)
+
+    def _in_background(
+        self, send: Callable[[], Awaitable[object]], done: Callable[[], None], retry: Callable[[], None]
+    ) -> None:
+        """Deliver an answer without holding up placement: a reply topic that is slow to refuse costs
+        its own task, not the loop. `done` once it is delivered or dead-lettered, `retry` on an outage."""
+
+        async def deliver() -> None:
+            try:
+                await send()
+            except (RedisError, BusUnavailable) as exc:
+                log.warning("answer not delivered yet; bus unavailable", error=str(exc))
+                retry()
+                return
+            except Exception:  # never the loop's end: the record is done with, and logged
+                log.exception("answer failed")
+            done()
+
+        task = asyncio.create_task(deliver(), name="answer")
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
 
     # acknowledge
     async def _acknowledge(self) -> None:
@@ -257,7 +304,8 @@ class Dispatcher:
         )
         for topic, priority, capacity in bounds:
             assigned = [tp for tp in self.consumer.assignment() if tp.topic == topic]
-            size = self.hold.size(priority)
+            # Answers under way hold their records' offsets too, so they count against the bound.
+            size = self.hold.size(priority) + (len(self._answering) if priority is Priority.BATCH else 0)
             if topic not in self._paused and size >= capacity:
                 self.consumer.pause(*assigned)
                 self._paused.add(topic)

@@ -78,7 +78,12 @@ class Worker:
         self.error: str | None = None
         self.tensor_parallel_size = 1
         self._abort_reason = (ErrorCode.CANCELLED, "the request was cancelled")
-        self.answers = AnswerSink(redis, self.names, lambda: AIOKafkaProducer(**producer_options(settings)))
+        self.answers = AnswerSink(
+            redis,
+            self.names,
+            lambda: AIOKafkaProducer(**producer_options(settings)),
+            sender=settings.worker_id,
+        )
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until `stop` is set (0), or until the engine fails to start or dies (1)."""
@@ -324,7 +329,7 @@ class Worker:
         pending = coalescer.flush()
         chunk = ErrorChunk(request_id=request.request_id, seq=coalescer.seq, code=code, message=message)
         if request.batch is not None:
-            await out.emit(chunk)  # a batch answer that cannot be delivered stays pending
+            await out.emit(chunk)  # raises only when the broker is down: the entry stays pending
             return
         with contextlib.suppress(RedisError):
             if pending is not None:

@@ -28,16 +28,27 @@ def submit(
     output: Annotated[Path | None, typer.Option(help="answers (JSONL); default <input>.output.jsonl")] = None,
     reply_topic: Annotated[str | None, typer.Option(help="default: <prefix>.results.<team>")] = None,
     window: Annotated[float | None, typer.Option(help="completion window, seconds; default 24 h")] = None,
+    signing_key: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SLUICE_SIGNING_KEY_FILE",
+            help="the team's private signing key (PEM, from `sluice keys create-signing`)",
+        ),
+    ] = None,
 ) -> None:
     """Submit (or resume) a batch and collect every answer; Ctrl-C stops, and the same command resumes."""
     from infra.batch_run import BatchInputError, prepare, run_batch
     from queue_schemas.settings import BusSettings
+    from queue_schemas.signing import load_private_key
 
     settings = BusSettings()
     out = output or default_output(input_path)
     try:
+        if signing_key is None:
+            raise BatchInputError("a signing key is required: --signing-key or SLUICE_SIGNING_KEY_FILE")
+        signer = load_private_key(signing_key.read_text())
         state, lines, tally = prepare(settings, input_path, out, team, reply_topic, window)
-    except (BatchInputError, OSError) as exc:
+    except (BatchInputError, OSError, ValueError) as exc:
         console.print(f"sluice batch: {exc}")
         raise typer.Exit(2) from None
     bar = Progress(
@@ -61,7 +72,7 @@ def submit(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_batch(settings, out, state, lines, tally, show, stop)
+        await run_batch(settings, out, state, lines, tally, show, stop, signer)
 
     with bar:
         asyncio.run(go())

@@ -146,7 +146,9 @@ def load_tally(output: Path) -> Tally:
             continue
         good.append(text)
         count(tally, line)
-    output.write_text("".join(t + "\n" for t in good))
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text("".join(t + "\n" for t in good))
+    os.replace(tmp, output)  # a crash leaves the old file or the new one, never half of one
     return tally
 
 

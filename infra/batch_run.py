@@ -20,6 +20,7 @@ from typing import IO, Any
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import NewTopic
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from infra.batch_file import (
     Line,
@@ -40,6 +41,7 @@ from queue_schemas.codec import decode, encode
 from queue_schemas.deadletter import send_dead_letter
 from queue_schemas.errors import SchemaError
 from queue_schemas.settings import BusSettings
+from queue_schemas.signing import sign_record
 
 log = structlog.get_logger("sluice.batch")
 SUBMIT_CHUNK = 200
@@ -61,6 +63,10 @@ def prepare(
     data = input_path.read_bytes()
     batch_id = batch_id_of(data)
     state = load_state(output)
+    if state is None and output.exists():
+        raise BatchInputError(
+            f"{output} exists and is not the output of a sluice batch run; choose another --output"
+        )
     if state is not None and state.batch_id != batch_id:
         raise BatchInputError(
             f"{output} holds the answers of another input ({state.input}); choose another --output"
@@ -88,8 +94,10 @@ async def run_batch(
     tally: Tally,
     progress: Progress,
     stop: asyncio.Event,
+    signer: Ed25519PrivateKey,
 ) -> Tally:
-    """Submit what is left and collect until every line is answered or `stop` is set."""
+    """Submit what is left, each record signed with the team's key, and collect until every line is
+    answered or `stop` is set."""
     save_state(output, state)
     await ensure_topic(settings, state.reply_topic)
     group = f"{settings.names.prefix}.batch-collector.{state.batch_id}"
@@ -99,7 +107,9 @@ async def run_batch(
     await producer.start()
     try:
         with output.open("a") as out:
-            submitter = asyncio.create_task(_submit(settings, producer, output, state, lines, tally, out))
+            submitter = asyncio.create_task(
+                _submit(settings, producer, signer, output, state, lines, tally, out)
+            )
             try:
                 letters = DeadLetters(producer, settings.names.deadletter_topic(), group)
                 await _collect(consumer, output, state, tally, out, progress, stop, submitter, letters)
@@ -135,6 +145,7 @@ def _write(out: IO[str], lines: list[dict[str, Any]]) -> None:
 async def _submit(
     settings: BusSettings,
     producer: AIOKafkaProducer,
+    signer: Ed25519PrivateKey,
     output: Path,
     state: RunState,
     lines: list[Line],
@@ -156,7 +167,9 @@ async def _submit(
                 continue
             topic = settings.names.batch_topic(line.pool)
             key = line.submission.request_id.encode()
-            sends.append(await producer.send(topic, encode(line.submission), key=key))
+            value = encode(line.submission)
+            headers = sign_record(signer, value)
+            sends.append(await producer.send(topic, value, key=key, headers=headers))
         if local:
             _write(out, local)
         await asyncio.gather(*sends)

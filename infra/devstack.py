@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.keys import create_key
+from infra.keys import create_key, create_signing_key
 from infra.launcher import (
     ManagedProcess,
     free_port,
@@ -99,6 +99,7 @@ class DevStack:
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
         self.log_dir = self.workdir / "logs"
+        self.signing_key_file = self.workdir / "dev-signing-key.pem"  # the dev team's batch signer
 
     def start(self) -> Endpoints:
         try:
@@ -147,6 +148,7 @@ class DevStack:
         asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
         lines = [*endpoints.env_lines(), f"SLUICE_PREFIX={self.prefix}"]
+        lines.append(f"SLUICE_SIGNING_KEY_FILE={self.signing_key_file.resolve()}")
         lines += [f"SLUICE_{name.upper()}={value}" for name, value in self.security.items()]
         if self.config_path is not None:  # so `sluice batch` and `sluice keys` see the same pools
             lines.append(f"SLUICE_CONFIG={self.config_path.resolve()}")
@@ -174,6 +176,9 @@ class DevStack:
         await create_topics(bus, replication=1, teams=[DEV_TEAM])
         redis = redis_client(bus)
         try:
+            pem, _ = await create_signing_key(redis, names, DEV_TEAM)
+            self.signing_key_file.write_text(pem)
+            self.signing_key_file.chmod(0o600)
             return await create_key(redis, names, DEV_TEAM)
         finally:
             await redis.aclose()

@@ -6,19 +6,65 @@ import time
 
 import redis.asyncio as aioredis
 
+from queue_schemas.batch import TEAM_NAME, TOPIC_NAME
 from queue_schemas.keys import TeamKey, hash_api_key, key_id, new_api_key
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, TeamRecord
+from queue_schemas.signing import new_signing_key
+
+
+async def team_record(redis: aioredis.Redis, names: Names, team: str) -> TeamRecord:
+    """The team's record; a team without one gets a new, unlimited record when it is first written."""
+    raw = await redis.get(names.team(team))
+    return TeamRecord(team=team) if raw is None else TeamRecord.model_validate_json(raw)
 
 
 async def set_team_limits(redis: aioredis.Redis, names: Names, team: str, limits: TeamLimits) -> None:
     """Replace a team's quota limits (None fields are unlimited); they apply from the next request."""
-    await redis.set(names.team(team), TeamRecord(team=team, limits=limits).model_dump_json())
+    record = (await team_record(redis, names, team)).model_copy(update={"limits": limits})
+    await redis.set(names.team(team), record.model_dump_json())
 
 
 async def team_limits(redis: aioredis.Redis, names: Names, team: str) -> TeamLimits:
-    raw = await redis.get(names.team(team))
-    return TeamLimits() if raw is None else TeamRecord.model_validate_json(raw).limits
+    return (await team_record(redis, names, team)).limits
+
+
+def reply_prefix_problem(prefix: str, names: Names) -> str | None:
+    """Why a team may not own topics under `prefix`: it must be a topic-name prefix of its own, clear of
+    sluice's topics (a team's results topic is its own already)."""
+    if len(prefix) < 3 or not TOPIC_NAME.match(prefix):
+        return f"reply prefix {prefix!r} must be 3 or more of the characters a topic name may hold"
+    ours = names.prefix + "."
+    if prefix.startswith(ours) or ours.startswith(prefix):
+        return f"reply prefix {prefix!r} overlaps sluice's own topics ({ours}*)"
+    return None
+
+
+async def set_reply_prefixes(
+    redis: aioredis.Redis, names: Names, team: str, prefixes: list[str] | None
+) -> tuple[str, ...]:
+    """Replace the team's reply-topic prefixes when `prefixes` is given; the prefixes now in force."""
+    record = await team_record(redis, names, team)
+    if prefixes is None:
+        return record.reply_prefixes
+    for prefix in prefixes:
+        problem = reply_prefix_problem(prefix, names)
+        if problem is not None:
+            raise ValueError(problem)
+    record = record.model_copy(update={"reply_prefixes": tuple(prefixes)})
+    await redis.set(names.team(team), record.model_dump_json())
+    return record.reply_prefixes
+
+
+async def create_signing_key(redis: aioredis.Redis, names: Names, team: str) -> tuple[str, str]:
+    """Register a new Ed25519 signing key for the team's batch records: (private key PEM, key id).
+    Only the public key is stored; the private key is returned once."""
+    if not TEAM_NAME.match(team):
+        raise ValueError(f"invalid team name {team!r}")
+    pem, public_b64, key_id_ = new_signing_key()
+    await redis.hset(names.signing_keys(team), key_id_, public_b64)
+    await redis.set(names.team(team), TeamRecord(team=team).model_dump_json(), nx=True)
+    return pem, key_id_
 
 
 async def create_key(redis: aioredis.Redis, names: Names, team: str, pools: tuple[str, ...] = ()) -> str:

@@ -133,6 +133,16 @@ def reply_topic_problem(topic: str, names: Names, pools: tuple[str, ...]) -> str
     return None
 
 
+def reply_topic_owned(topic: str, team: str, names: Names, reply_prefixes: tuple[str, ...]) -> bool:
+    """Whether `team` may have answers sent to `topic`: its results topic, or a topic under a prefix
+    registered for it that is not another team's results topic."""
+    if topic == names.results_topic(team):
+        return True
+    if topic.startswith(names.results_topic("")):
+        return False
+    return any(prefix and topic.startswith(prefix) for prefix in reply_prefixes)
+
+
 def load_record(raw: bytes) -> dict[str, Any] | str:
     """A raw submission's JSON object, parsed once for envelope and submission; or why it is not one."""
     try:

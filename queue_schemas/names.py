@@ -36,6 +36,10 @@ class Names:
     def team(self, team: str) -> str:
         return f"{self.prefix}:team:{team}"
 
+    def signing_keys(self, team: str) -> str:
+        """Hash: key id -> base64 Ed25519 public key of the team's batch signers."""
+        return f"{self.prefix}:signkeys:{team}"
+
     def quota_tokens(self, team: str) -> str:
         return f"{self.prefix}:quota:tpm:{team}"
 

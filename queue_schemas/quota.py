@@ -39,6 +39,9 @@ class TeamRecord(BaseModel):
 
     team: Name
     limits: TeamLimits = TeamLimits()
+    reply_prefixes: tuple[str, ...] = Field(
+        default=(), description="topic prefixes the team owns for batch answers, beside its results topic"
+    )
 
 
 RESERVE_SCRIPT = """

@@ -25,14 +25,24 @@ from typing import Any
 
 import boto3
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from infra.devstack import DevStack, Endpoints
+from infra.keys import set_reply_prefixes
 from infra.launcher import free_port, start_object_store
 from queue_schemas.clients import redis_client
 from queue_schemas.codec import encode
 from queue_schemas.settings import BusSettings
 from tests.chaos.load import Load, Outcome
-from tests.integration.helpers import chat, create_topics, make_request, produce, read_answers, submission
+from tests.integration.helpers import (
+    chat,
+    create_topics,
+    make_request,
+    produce,
+    read_answers,
+    register_signer,
+    submission,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -224,21 +234,28 @@ def test_records_written_while_redis_is_down_are_served_when_it_returns(
     dev, endpoints = stack
     bus = BusSettings(kafka_bootstrap=endpoints.kafka_bootstrap, redis_url=endpoints.redis_url)
     names = bus.names
-    reply = f"{names.prefix}.answers.redis-down"
+    reply = f"answers.{names.prefix}.redis-down"
     interactive = make_request("sim", f"redis-down-{secrets.token_hex(6)}", max_tokens=5)
     custom_id = f"redis-down-{secrets.token_hex(6)}"
     batch = submission(custom_id, chat("while redis was down", max_tokens=5), team="dev", reply_topic=reply)
 
-    async def produce_both() -> None:
-        await create_topics(bus, reply, partitions=1)
-        await produce(bus, [
-            (names.requests_topic("sim"), encode(interactive)),
-            (names.batch_topic("sim"), json.dumps(batch).encode()),
-        ])  # fmt: skip
+    async def signer() -> Ed25519PrivateKey:
+        redis = redis_client(bus)
+        try:
+            await set_reply_prefixes(redis, names, "dev", [f"answers.{names.prefix}."])
+            return await register_signer(redis, names, "dev")
+        finally:
+            await redis.aclose()
 
+    async def produce_both(dev_signer: Ed25519PrivateKey) -> None:
+        await create_topics(bus, reply, partitions=1)
+        await produce(bus, [(names.requests_topic("sim"), encode(interactive))])
+        await produce(bus, [(names.batch_topic("sim"), json.dumps(batch).encode())], dev_signer)
+
+    dev_signer = asyncio.run(signer())
     dev.halt("redis", kill=False)
     try:
-        asyncio.run(produce_both())
+        asyncio.run(produce_both(dev_signer))
         time.sleep(2.0)  # the dispatcher meets the outage with both records in hand
         assert dev.process("dispatcher-sim").alive, dev.process("dispatcher-sim").log_tail(40)
     finally:

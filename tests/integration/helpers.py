@@ -18,12 +18,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dispatcher.service import Dispatcher
 from dispatcher.settings import DispatcherSettings
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
+from infra.keys import create_signing_key
 from infra.launcher import ManagedProcess, spawn
 from queue_schemas.clients import consumer_options, producer_options, redis_client
 from queue_schemas.codec import decode_stream_event
@@ -36,7 +38,9 @@ from queue_schemas.messages import (
     StreamEvent,
     TokenChunk,
 )
+from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
+from queue_schemas.signing import load_private_key, sign_record
 from queue_schemas.tokenizer import ByteTokenizer
 from tests.conftest import Bus
 
@@ -66,6 +70,11 @@ class Pipeline:
     redis: aioredis.Redis
     producer: AIOKafkaProducer
     worker_id: str
+    services: list[asyncio.Task[Any]]
+
+    def crashed(self) -> list[BaseException]:
+        """What ended any service before its stop: a service that dies of its input is a bug."""
+        return [t.exception() for t in self.services if t.done() and t.exception() is not None]  # type: ignore[misc]
 
 
 async def _wait_ready(redis: aioredis.Redis, key: str) -> None:
@@ -124,7 +133,8 @@ async def pipeline(
     try:
         for wid in worker_ids:
             await _wait_ready(redis, names.heartbeat(pool, wid))
-        yield Pipeline(settings, redis, producer, worker_ids[0])
+        yield Pipeline(settings, redis, producer, worker_ids[0], tasks)
+        assert not (crashed := Pipeline(settings, redis, producer, "", tasks).crashed()), crashed
     finally:
         stop.set()
         _, pending = await asyncio.wait(tasks, timeout=20)
@@ -207,15 +217,24 @@ def terminals(events: list[StreamEvent]) -> list[StreamEvent]:
     return [e for e in events if isinstance(e, FinalChunk | ErrorChunk)]
 
 
-async def produce(settings: BusSettings, records: list[tuple[str, bytes]]) -> None:
-    """Write raw (topic, payload) records, as a plain Kafka client would."""
+async def produce(
+    settings: BusSettings, records: list[tuple[str, bytes]], signer: Ed25519PrivateKey | None = None
+) -> None:
+    """Write raw (topic, payload) records, as a plain Kafka client would; signed when `signer` is given."""
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
     await producer.start()
     try:
         for topic, payload in records:
-            await producer.send_and_wait(topic, payload)
+            headers = None if signer is None else sign_record(signer, payload)
+            await producer.send_and_wait(topic, payload, headers=headers)
     finally:
         await producer.stop()
+
+
+async def register_signer(redis: aioredis.Redis, names: Names, team: str) -> Ed25519PrivateKey:
+    """A new signing key registered for `team` (its team record is made if missing)."""
+    pem, _ = await create_signing_key(redis, names, team)
+    return load_private_key(pem)
 
 
 def submission(request_id: str, body: dict[str, Any], **fields: Any) -> dict[str, Any]:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from aiokafka import AIOKafkaProducer
 
 from queue_schemas.quota import TeamLimits, TeamRecord
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import chat, create_topics, pipeline, read_answers, submission
+from tests.integration.helpers import (
+    chat,
+    create_topics,
+    pipeline,
+    produce,
+    read_answers,
+    register_signer,
+    submission,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -17,9 +24,14 @@ pytestmark = pytest.mark.integration
 async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) -> None:
     async with pipeline(bus, workers=2) as p:
         names = p.settings.names
-        await p.redis.set(names.team("acme"), TeamRecord(team="acme").model_dump_json())
-        reply = f"{names.prefix}.answers.acme"
-        await create_topics(p.settings, reply, partitions=1)
+        reply_prefix = f"answers.{names.prefix}."
+        record = TeamRecord(team="acme", reply_prefixes=(reply_prefix,))
+        await p.redis.set(names.team("acme"), record.model_dump_json())
+        acme = await register_signer(p.redis, names, "acme")
+        ghost = await register_signer(p.redis, names, "ghost")
+        await p.redis.delete(names.team("ghost"))  # a signer whose team record is gone: refused
+        reply = reply_prefix + "acme"
+        await create_topics(p.settings, reply, names.results_topic("ghost"), partitions=1)
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
         good = {
@@ -35,7 +47,6 @@ async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) 
         refused = {
             "bad-n": (submission("bad-n", chat("x", n=2)), 400, "n"),
             "bad-model": (submission("bad-model", {**chat("x"), "model": "nope"}), 404, "model"),
-            "bad-team": (submission("bad-team", chat("x"), team="ghost", reply_topic=reply), 400, "team"),
             "bad-version": (submission("bad-version", chat("x"), v=2), 400, None),
             "bad-token": (
                 submission("bad-token", chat("x"), prompt_token_ids=[1, 999]),
@@ -44,21 +55,26 @@ async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) 
             ),
             "bad-stream": (submission("bad-stream", chat("x", stream=True)), 400, "stream"),
         }
-        producer = AIOKafkaProducer(bootstrap_servers=p.settings.kafka_bootstrap)
-        await producer.start()
-        try:
-            topic = names.batch_topic("sim")
-            for sub in [*good.values(), *(s for s, _, _ in refused.values())]:
-                sub.setdefault("reply_topic", reply)
-                await producer.send_and_wait(topic, json.dumps(sub).encode())
-            await producer.send_and_wait(topic, b"{not json")
-            await producer.send_and_wait(
-                topic, json.dumps(submission("x", chat("x"), reply_topic="no spaces")).encode()
-            )
-            await producer.send_and_wait(topic, json.dumps(good["chat-1"]).encode())  # a resubmission
-        finally:
-            await producer.stop()
+        topic = names.batch_topic("sim")
+        for sub in [*good.values(), *(s for s, _, _ in refused.values())]:
+            sub.setdefault("reply_topic", reply)
+        records = [
+            (topic, json.dumps(sub).encode())
+            for sub in [*good.values(), *(s for s, _, _ in refused.values())]
+        ]
+        records += [
+            (topic, b"{not json"),
+            (topic, json.dumps(submission("x", chat("x"), reply_topic="no spaces")).encode()),
+            (topic, json.dumps(good["chat-1"]).encode()),  # a resubmission
+        ]
+        await produce(p.settings, records, acme)
+        not_owned = submission("bad-topic", chat("x"), reply_topic=names.results_topic("ghost"))
+        ghostly = submission("ghost-1", chat("x"), team="ghost")
+        await produce(p.settings, [(topic, json.dumps(not_owned).encode())], acme)
+        await produce(p.settings, [(topic, json.dumps(ghostly).encode())], ghost)
         answers = await read_answers(p.settings.kafka_bootstrap, reply, len(good) + len(refused), 30)
+        ghost_answers = await read_answers(p.settings.kafka_bootstrap, names.results_topic("ghost"), 1, 10)
+        own_answers = await read_answers(p.settings.kafka_bootstrap, names.results_topic("acme"), 1, 10)
 
         by_id = {a["custom_id"]: a for a in answers}
         assert sorted(a["custom_id"] for a in answers) == sorted([*good, *refused])  # each exactly once
@@ -78,6 +94,14 @@ async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) 
             assert response["body"]["error"]["param"] == param, response
         assert "version" in by_id["bad-version"]["response"]["body"]["error"]["message"]
 
+        # A reply topic the team does not own: refused on the team's own results topic, never sent there.
+        assert [a["custom_id"] for a in own_answers] == ["bad-topic"]
+        error = own_answers[0]["response"]["body"]["error"]
+        assert (error["code"], error["param"]) == ("reply_topic_not_owned", "reply_topic")
+        # The refusal for a team without a record goes to that team's own results topic.
+        assert [a["custom_id"] for a in ghost_answers] == ["ghost-1"]
+        error = ghost_answers[0]["response"]["body"]["error"]
+        assert (error["code"], error["param"]) == ("unknown_team", "team")
         letters = await read_dead_letters(p.settings.kafka_bootstrap, names)
         reasons = sorted(letter.reason for letter in letters)
         assert len(reasons) == 2, reasons
@@ -92,16 +116,14 @@ async def test_batch_quota_is_reserved_and_settled(bus: Bus) -> None:
         names = p.settings.names
         limits = TeamLimits(daily_tokens=400)
         await p.redis.set(names.team("acme"), TeamRecord(team="acme", limits=limits).model_dump_json())
+        acme = await register_signer(p.redis, names, "acme")
         reply = names.results_topic("acme")
         await create_topics(p.settings, reply, partitions=1)
-        producer = AIOKafkaProducer(bootstrap_servers=p.settings.kafka_bootstrap)
-        await producer.start()
-        try:
-            for i in range(6):  # each reserves its prompt (about 50 tokens) + 100 allowed output tokens
-                sub = submission(f"q-{i}", chat(f"question number {i}", max_tokens=100))
-                await producer.send_and_wait(names.batch_topic("sim"), json.dumps(sub).encode())
-        finally:
-            await producer.stop()
+        # each reserves its prompt (about 50 tokens) + 100 allowed output tokens
+        subs = [submission(f"q-{i}", chat(f"question number {i}", max_tokens=100)) for i in range(6)]
+        await produce(
+            p.settings, [(names.batch_topic("sim"), json.dumps(sub).encode()) for sub in subs], acme
+        )
         answers = await read_answers(p.settings.kafka_bootstrap, reply, 6, 30)
         statuses = sorted(a["response"]["status_code"] for a in answers)
         assert len(answers) == 6

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer
 
+from infra.keys import create_signing_key
 from queue_schemas.clients import redis_client
 from queue_schemas.quota import TeamRecord
 from queue_schemas.settings import BusSettings
@@ -95,6 +96,9 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
     services = Services(settings, tmp_path, POOL_FILE.format(token_ms=2, max_running=32))
     redis = redis_client(settings)
     await redis.set(names.team("acme"), TeamRecord(team="acme").model_dump_json())
+    pem, _ = await create_signing_key(redis, names, "acme")
+    (tmp_path / "acme.pem").write_text(pem)
+    services.env["SLUICE_SIGNING_KEY_FILE"] = str(tmp_path / "acme.pem")
     source, output = tmp_path / "batch.jsonl", tmp_path / "batch.output.jsonl"
     batch_file(source)
     cli = [sys.executable, "-m", "infra.cli", "batch", "submit", str(source), "--team", "acme"]

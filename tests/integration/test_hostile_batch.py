@@ -1,0 +1,117 @@
+"""Batch records from producers that are not who they claim, and answers that cannot be delivered."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from queue_schemas.messages import FinalChunk
+from queue_schemas.quota import TeamLimits, TeamRecord
+from queue_schemas.signing import sign_record
+from tests.conftest import Bus, read_dead_letters
+from tests.integration.helpers import (
+    chat,
+    create_topics,
+    make_request,
+    pipeline,
+    produce,
+    read_answers,
+    register_signer,
+    submission,
+)
+from tests.integration.test_dispatch_path import send_and_collect
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+async def test_a_record_naming_another_team_is_never_served_answered_or_charged(bus: Bus) -> None:
+    async with pipeline(bus) as p:
+        names = p.settings.names
+        limits = TeamLimits(daily_tokens=100_000)
+        await p.redis.set(names.team("acme"), TeamRecord(team="acme", limits=limits).model_dump_json())
+        acme = await register_signer(p.redis, names, "acme")
+        mallory = await register_signer(p.redis, names, "mallory")
+        acme_results, mallory_results = names.results_topic("acme"), names.results_topic("mallory")
+        await create_topics(p.settings, acme_results, mallory_results, partitions=1)
+        topic = names.batch_topic("sim")
+
+        def record(sub: dict[str, object]) -> tuple[str, bytes]:
+            return topic, json.dumps(sub).encode()
+
+        forged = submission("r-1", chat("bill acme for this"))  # names acme, signed by mallory
+        await produce(p.settings, [record(forged)], mallory)
+        await produce(p.settings, [record(submission("r-2", chat("unsigned")))])  # no signature at all
+        genuine = submission("r-3", chat("acme's own words"))
+        _, raw = record(genuine)
+        tampered = raw.replace(b"acme's own words", b"mallory's words!")
+        await p.producer.send_and_wait(
+            topic, tampered, headers=sign_record(acme, raw)
+        )  # acme's signature on other bytes
+        # The ids mallory tried to take are still acme's, and mallory's own r-1 is its own request.
+        await produce(p.settings, [record(submission("r-1", chat("acme's real r-1")))], acme)
+        await produce(p.settings, [record(submission("r-1", chat("mine"), team="mallory"))], mallory)
+
+        acme_answers = await read_answers(p.settings.kafka_bootstrap, acme_results, 1, 20)
+        mallory_answers = await read_answers(p.settings.kafka_bootstrap, mallory_results, 1, 10)
+        assert [(a["custom_id"], a["response"]["status_code"]) for a in acme_answers] == [("r-1", 200)]
+        assert [(a["custom_id"], a["response"]["status_code"]) for a in mallory_answers] == [("r-1", 200)]
+        usage = acme_answers[0]["response"]["body"]["usage"]["total_tokens"]
+        day = await p.redis.keys(names.quota_day("acme", "*"))
+        assert int(await p.redis.get(day[0]) or 0) == usage  # acme paid for its own request only
+
+        reasons = sorted(
+            letter.reason for letter in await read_dead_letters(p.settings.kafka_bootstrap, names)
+        )
+        assert len(reasons) == 3, reasons
+        assert any("is not registered for team 'acme'" in r for r in reasons)  # mallory's key
+        assert any("unsigned record" in r for r in reasons)
+        assert any("signature does not match" in r for r in reasons)
+
+
+async def test_answers_that_cannot_be_delivered_are_dead_lettered_and_the_pool_keeps_serving(
+    bus: Bus,
+) -> None:
+    """A reply topic the broker refuses (here '..', which no Kafka broker accepts; on a cluster, a topic
+    the ACLs deny or one missing with auto-creation off): the dispatcher's refusal and the worker's
+    completed answer both go to the dead-letter topic, the request is charged and acknowledged, and
+    interactive requests keep flowing meanwhile."""
+    async with pipeline(bus, kafka_request_timeout_ms=2000) as p:
+        names = p.settings.names
+        # An operator registered a prefix that covers a topic the broker will not take.
+        record = TeamRecord(team="acme", limits=TeamLimits(daily_tokens=100_000), reply_prefixes=(".",))
+        await p.redis.set(names.team("acme"), record.model_dump_json())
+        acme = await register_signer(p.redis, names, "acme")
+        topic = names.batch_topic("sim")
+        served = submission("served", chat("an answer nobody can receive", max_tokens=5), reply_topic="..")
+        refused = submission("refused", chat("x", n=2), reply_topic="..")
+        await produce(p.settings, [(topic, json.dumps(s).encode()) for s in (served, refused)], acme)
+        for i in range(5):  # interactive traffic while the two answers fail
+            events = await send_and_collect(p, make_request("sim", f"alongside-{i}", max_tokens=4))
+            assert isinstance(events[-1], FinalChunk), events
+        interactive_done = time.time()
+
+        letters = []
+        for _ in range(40):
+            letters = [
+                letter for letter in await read_dead_letters(p.settings.kafka_bootstrap, names, wait_ms=500)
+                if letter.source == ".."
+            ]  # fmt: skip
+            if len(letters) == 2:
+                break
+        by_id = {json.loads(letter.payload)["custom_id"]: letter for letter in letters}
+        assert set(by_id) == {"served", "refused"}, letters
+        assert json.loads(by_id["served"].payload)["response"]["status_code"] == 200
+        assert json.loads(by_id["refused"].payload)["response"]["status_code"] == 400
+        assert by_id["served"].consumer == p.worker_id
+        assert "could not be delivered" in by_id["served"].reason
+        assert not p.crashed()
+        # The worker acknowledged the entry (nothing pending to run again) and charged what was used.
+        pending = await p.redis.xpending(names.inbox(p.worker_id), "worker")
+        assert pending["pending"] == 0
+        day = await p.redis.keys(names.quota_day("acme", "*"))
+        used = json.loads(by_id["served"].payload)["response"]["body"]["usage"]["total_tokens"]
+        assert int(await p.redis.get(day[0]) or 0) == used
+        # The interactive requests did not wait for the refusal: they were done before it was dead-lettered.
+        assert interactive_done < by_id["refused"].failed_at
