@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
-from gpu_workers.json_sample import UnsupportedSchema, sample
+from gpu_workers.json_sample import Budget, UnsupportedSchema, sample
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
@@ -43,7 +43,8 @@ def structured_text(request: InferenceRequest, words: str) -> str:
         hashlib.sha256(bytes(t % 256 for t in request.prompt_token_ids)).digest()[:4], "big"
     )
     try:
-        return json.dumps(sample(json.loads(structured.schema_text), seed=seed))
+        budget = Budget(request.sampling.max_tokens + 1)  # one character is one token here
+        return json.dumps(sample(json.loads(structured.schema_text), seed=seed, budget=budget))
     except (UnsupportedSchema, ValueError, KeyError, TypeError) as exc:
         raise EngineError(f"the simulated engine cannot follow this schema: {exc}") from None
 
@@ -149,6 +150,8 @@ class SimulatedEngine:
                 if i:
                     await asyncio.sleep(self._config.token_ms / 1000)
                 if i == self._config.fail_after_tokens:
+                    if self._config.fault_kind == "bug":
+                        raise RuntimeError(f"simulated bug after {i} tokens")
                     raise EngineError(f"simulated engine fault after {i} tokens")
                 if self._dead is not None:
                     raise EngineError(self._dead)

@@ -50,6 +50,7 @@ log = structlog.get_logger("sluice.worker")
 
 INBOX_FIELD = b"m"
 KV_PUBLISH_INTERVAL_S = 0.05
+REQUEST_FAULT = "the worker failed while serving this request"
 
 
 class Worker:
@@ -261,6 +262,14 @@ class Worker:
         except (RedisError, BusUnavailable) as exc:
             log.error("lost the bus while answering", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
+        except Exception as exc:  # a fault of this request alone: it ends, the worker goes on
+            log.error(
+                "request failed", request_id=request.request_id, error=type(exc).__name__, exc_info=True
+            )
+            try:
+                await self._fail(out, coalescer, produced(), ErrorCode.ENGINE_ERROR, REQUEST_FAULT)
+            except (RedisError, BusUnavailable):
+                return  # the entry stays pending for recovery
         finally:
             if pieces is not None:
                 await pieces.discard()

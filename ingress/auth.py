@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from queue_schemas.api_errors import ApiError, AuthenticationFailed, ServiceUnavailable
+from queue_schemas.api_errors import ApiError, AuthenticationFailed, PermissionDenied, ServiceUnavailable
 from queue_schemas.keys import TeamKey, hash_api_key
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, TeamRecord
@@ -69,8 +69,10 @@ class Authenticator:
             raise ApiError(
                 "The record of this API key is corrupt; ask an operator to re-issue the key."
             ) from exc
-        if not raw_team:
-            return Caller(key, TeamLimits())
+        if not raw_team:  # fail closed: a team whose record is gone has no limits to enforce
+            raise PermissionDenied(
+                f"Team {key.team!r} has no record; ask an operator to restore it.", code="unknown_team"
+            )
         try:
             return Caller(key, TeamRecord.model_validate_json(raw_team).limits)
         except ValueError as exc:

@@ -108,7 +108,7 @@ async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
             raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
     try:
         return json.loads(raw), len(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from None
 
 

@@ -47,6 +47,12 @@ class AuthenticationFailed(ApiError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(ApiError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class NotFound(InvalidRequest):
     status = 404
 

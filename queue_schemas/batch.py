@@ -147,7 +147,7 @@ def load_record(raw: bytes) -> dict[str, Any] | str:
     """A raw submission's JSON object, parsed once for envelope and submission; or why it is not one."""
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
         return f"not valid JSON: {exc}"
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"

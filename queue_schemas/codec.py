@@ -25,7 +25,7 @@ def _load_object(data: bytes | str) -> dict[str, Any]:
         raise SchemaError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
         raise SchemaError(f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise SchemaError(f"expected a JSON object, got {type(obj).__name__}")

@@ -32,6 +32,10 @@ class SimulatedEngineConfig(BaseModel):
     fail_after_tokens: int | None = Field(
         default=None, ge=0, description="fault injection: fail every request after this many tokens"
     )
+    fault_kind: Literal["engine", "bug"] = Field(
+        default="engine",
+        description="what fail_after_tokens raises: an engine error, or an unexpected exception (a bug)",
+    )
     die_after_tokens: int | None = Field(
         default=None, ge=0, description="fault injection: the whole engine dies after this many tokens"
     )

@@ -17,6 +17,10 @@ RequestId = Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_\-]*$")]
 
 
+# A signed 64-bit seed, as engines take it (vLLM's own server caps seeds so).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 class Message(BaseModel):
     """Base for wire messages: strict about unknown fields and immutable once built."""
 
@@ -64,7 +68,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     structured: StructuredOutput | None = None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from queue_schemas.messages import FinishReason, Usage
+from queue_schemas.messages import SEED_MAX, SEED_MIN, FinishReason, Usage
 
 
 class TextPart(BaseModel):
@@ -38,10 +38,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, min_length=1)
+
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> object:
+        # As in OpenAI's API: only an assistant message (calling tools) may leave its content null.
+        role = info.data.get("role")
+        if content is None and role != "assistant":
+            raise ValueError(f"a {role} message must have content")
+        return content
 
     def text(self) -> str:
         if self.content is None:
@@ -147,7 +156,7 @@ class GenerationFields(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=256)

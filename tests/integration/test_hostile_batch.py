@@ -1,4 +1,5 @@
-"""Batch records from producers that are not who they claim, and answers that cannot be delivered."""
+"""Batch records from producers that are not who they claim, answers that cannot be delivered, and a
+request that meets a bug in the worker."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import time
 
 import pytest
 
-from queue_schemas.messages import FinalChunk
+from gpu_workers.simulated import reply_text
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.errors import ErrorCode
+from queue_schemas.messages import ErrorChunk, FinalChunk, TokenChunk
 from queue_schemas.quota import TeamLimits, TeamRecord
+from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.signing import sign_record
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
@@ -88,7 +93,7 @@ async def test_answers_that_cannot_be_delivered_are_dead_lettered_and_the_pool_k
         refused = submission("refused", chat("x", n=2), reply_topic="..")
         await produce(p.settings, [(topic, json.dumps(s).encode()) for s in (served, refused)], acme)
         for i in range(5):  # interactive traffic while the two answers fail
-            events = await send_and_collect(p, make_request("sim", f"alongside-{i}", max_tokens=4))
+            events = await send_and_collect(p, make_request("sim", f"alongside-request-{i}", max_tokens=4))
             assert isinstance(events[-1], FinalChunk), events
         interactive_done = time.time()
 
@@ -115,3 +120,25 @@ async def test_answers_that_cannot_be_delivered_are_dead_lettered_and_the_pool_k
         assert int(await p.redis.get(day[0]) or 0) == used
         # The interactive requests did not wait for the refusal: they were done before it was dead-lettered.
         assert interactive_done < by_id["refused"].failed_at
+
+
+async def test_an_unexpected_fault_in_one_request_ends_it_and_the_worker_goes_on(bus: Bus) -> None:
+    """Not an engine error, not a bus error: a bug met while serving. The request ends with engine_error,
+    its reservation is settled to what it used, its entry is acknowledged, and the next request is served."""
+    engine = SimulatedEngineConfig(ttft_ms=5, token_ms=1, fail_after_tokens=3, fault_kind="bug")
+    async with pipeline(bus, engine=engine) as p:
+        names = p.settings.names
+        for i in range(2):
+            request = make_request("sim", f"bug-request-{i}", max_tokens=8)
+            limits = TeamLimits(daily_tokens=100_000)
+            await QuotaGate(p.redis, names).reserve("dev", limits, request.request_id, 58, 60)
+            events = await send_and_collect(p, request)
+            assert isinstance(events[-1], ErrorChunk), events
+            assert events[-1].code == ErrorCode.ENGINE_ERROR
+            assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == reply_text(request)[:3]
+            assert not await p.redis.exists(names.reservation(request.request_id))  # settled
+        day = await p.redis.keys(names.quota_day("dev", "*"))
+        assert int(await p.redis.get(day[0]) or 0) == 2 * (50 + 3)  # prompt + the 3 tokens each produced
+        pending = await p.redis.xpending(names.inbox(p.worker_id), "worker")
+        assert pending["pending"] == 0
+        assert not p.crashed()
