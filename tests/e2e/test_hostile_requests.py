@@ -1,0 +1,107 @@
+"""Requests built to hurt the service, through the real HTTP API: each gets a clear error or a bounded
+answer, and the pool keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from infra.devstack import Endpoints
+from queue_schemas.names import Names
+from tests.e2e.conftest import openai_client, team_key
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def post(endpoints: Endpoints, key: str, body: bytes) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return httpx.post(endpoints.url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
+
+
+def chat_body(**fields: object) -> dict[str, object]:
+    return {"model": "sluice-sim", "messages": [{"role": "user", "content": "hello"}], **fields}
+
+
+def test_a_schema_asking_for_a_billion_characters_is_cut_at_max_tokens(endpoints: Endpoints) -> None:
+    client = openai_client(endpoints, team_key(endpoints, "huge-schema"))
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 1_000_000_000}},
+        "required": ["s"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "huge", "schema": schema}}
+    answer = client.chat.completions.create(  # type: ignore[call-overload]
+        model="sluice-sim",
+        messages=[{"role": "user", "content": "a long string"}],
+        max_tokens=30,
+        response_format=fmt,
+    )
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 30
+    assert (answer.choices[0].message.content or "").startswith('{"s": "')
+    after = client.chat.completions.create(
+        model="sluice-sim", messages=[{"role": "user", "content": "still there?"}], max_tokens=5
+    )
+    assert after.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("raw_seed", "param"),
+    [(str(2**70), "seed"), (str(-(2**63) - 1), "seed"), ("7" * 5000, None)],
+    ids=["2**70", "below-int64", "5000-digits"],
+)
+def test_seeds_outside_64_bits_are_refused(endpoints: Endpoints, raw_seed: str, param: str | None) -> None:
+    body = json.dumps(chat_body(seed=0)).replace('"seed": 0', f'"seed": {raw_seed}').encode()
+    response = post(endpoints, endpoints.api_key, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert raw_seed[:50] not in error["message"]
+
+
+def test_the_largest_int64_seed_is_served(endpoints: Endpoints) -> None:
+    response = post(
+        endpoints, endpoints.api_key, json.dumps(chat_body(seed=2**63 - 1, max_tokens=3)).encode()
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_a_user_message_with_null_content_is_refused(endpoints: Endpoints) -> None:
+    body = {"model": "sluice-sim", "messages": [{"role": "user", "content": None}]}
+    response = post(endpoints, endpoints.api_key, json.dumps(body).encode())
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages.0.content"
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ok = {
+        "model": "sluice-sim",
+        "max_tokens": 3,
+        "messages": [
+            {"role": "user", "content": "call f"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+        ],
+    }
+    assert post(endpoints, endpoints.api_key, json.dumps(ok).encode()).status_code == 200
+
+
+def test_a_key_whose_team_record_is_gone_is_refused(endpoints: Endpoints) -> None:
+    key = team_key(endpoints, "vanished")
+    body = json.dumps(chat_body(max_tokens=3)).encode()
+    assert post(endpoints, key, body).status_code == 200
+
+    async def drop_team() -> None:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            await redis.delete(Names().team("vanished"))
+        finally:
+            await redis.aclose()
+
+    asyncio.run(drop_team())
+    response = post(endpoints, key, body)
+    assert response.status_code == 403, response.text
+    assert response.json()["error"]["code"] == "unknown_team"
