@@ -14,7 +14,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from queue_schemas.clients import admin_options, consumer_options, redis_client, with_backoff
@@ -78,8 +78,11 @@ def create_app(settings: ScalerSettings) -> FastAPI:
     page = resources.files("scaler").joinpath("dashboard.html").read_text(encoding="utf-8")
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> JSONResponse:
+        loop = scaler.get("loop")
+        if loop is not None and not loop.healthy(settings.health_stale_s, time.monotonic()):
+            return JSONResponse({"status": "stale", "detail": "no scaling round succeeded lately"}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

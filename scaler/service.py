@@ -157,6 +157,14 @@ def controllers(pools: list[PoolConfig]) -> dict[str, PoolController]:
     return out
 
 
+MAX_RETRY_DELAY_S = 30.0
+
+
+def retry_delay(tick_s: float, failures: int) -> float:
+    """The pause before the next round: the tick, doubled per failed round in a row, capped."""
+    return float(min(tick_s * 2.0 ** min(failures, 16), max(tick_s, MAX_RETRY_DELAY_S)))
+
+
 class Scaler:
     def __init__(
         self,
@@ -175,15 +183,31 @@ class Scaler:
         self.reports: dict[str, PoolReport] = {}
         self.history: dict[str, deque[Sample]] = {}
         self._exported_workers: dict[str, set[str]] = {}
+        self.last_round_ok = time.monotonic()  # grace from the start: the first round has not run yet
 
     async def run(self) -> None:
+        """Tick every pool, forever. A failing tick (the bus, the cluster's API, a bug) is logged and the
+        next round comes after a backoff; `healthy` says whether a whole round has succeeded lately."""
+        failures = 0
         while True:
+            ok = True
             for name in self.pools:
                 try:
                     await self.tick(name)
                 except (KafkaError, RedisError) as exc:
+                    ok = False
                     log.warning("pool tick failed", pool=name, error=str(exc))
-            await asyncio.sleep(self.tick_s)
+                except Exception as exc:
+                    ok = False
+                    log.error("pool tick failed", pool=name, error=type(exc).__name__, exc_info=True)
+            if ok:
+                self.last_round_ok = time.monotonic()
+            failures = 0 if ok else failures + 1
+            await asyncio.sleep(retry_delay(self.tick_s, failures))
+
+    def healthy(self, stale_s: float, now: float) -> bool:
+        """Whether a round over every pool succeeded within the last `stale_s` seconds."""
+        return now - self.last_round_ok <= stale_s
 
     async def tick(self, name: str) -> PoolReport:
         c = self.pools[name]
