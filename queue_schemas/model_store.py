@@ -55,8 +55,20 @@ class S3Location:
         return f"{self.prefix}/" if self.prefix else ""
 
     def file_name(self, key: str) -> str:
-        """An object's path inside the model folder."""
-        return key[len(self.key_prefix) :]
+        """An object's path inside the model folder. A key that would land outside it (`..`, an empty
+        or `.` part from `//`, an absolute path) makes the whole source refused."""
+        name = key[len(self.key_prefix) :]
+        parts = name.split("/")
+        if (
+            name.startswith("/")
+            or "\\" in name
+            or any(part in ("", ".", "..") for part in parts[:-1])
+            or (parts[-1] in (".", ".."))
+        ):
+            raise ModelSourceError(
+                f"s3://{self.bucket}/{key}: the object key does not name a file inside the model folder"
+            )
+        return name
 
 
 def parse_s3(source: str) -> S3Location | None:

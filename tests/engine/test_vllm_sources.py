@@ -148,3 +148,18 @@ async def test_tensor_parallel_two_serves_a_request(tiny_llama: Path, tmp_path: 
         assert outs[-1].finish_reason is not None
     finally:
         await engine.close()
+
+
+def test_object_keys_that_leave_the_model_folder_refuse_the_source(s3_endpoint: str, tmp_path: Path) -> None:
+    client = s3_factory(s3_endpoint)()
+    client.create_bucket(Bucket="hostile")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for bad in ("../../escaped.txt", "/absolute.txt", "a/./b.txt"):
+        prefix = f"p{abs(hash(bad)) % 10_000}"
+        client.put_object(Bucket="hostile", Key=f"{prefix}/config.json", Body=b"{}")
+        client.put_object(Bucket="hostile", Key=f"{prefix}/{bad}", Body=b"pwned")
+        assert f"{prefix}/{bad}" in [o["Key"] for o in client.list_objects_v2(Bucket="hostile")["Contents"]]
+        with pytest.raises(ModelSourceError, match="does not name a file inside the model folder"):
+            ModelStore(cache, s3_factory(s3_endpoint)).resolve(f"s3://hostile/{prefix}")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == b"pwned"]
