@@ -100,7 +100,8 @@ def _engine_children() -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if fields[1] == me and b"resource_tracker" not in cmdline:
+        # The module's object store is a child too, and is spared.
+        if fields[1] == me and b"resource_tracker" not in cmdline and b"moto_server" not in cmdline:
             children.append(int(stat.parent.name))
     return children
 
