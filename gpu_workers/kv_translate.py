@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 
 from gpu_workers.engine import KvChange
 from queue_schemas.messages import KvEventKind
-from queue_schemas.prefix import block_hashes
+from queue_schemas.prefix import SALT_TAG, block_hashes
 
 
 class KvTranslator:
@@ -25,8 +25,14 @@ class KvTranslator:
         return len(self._names)
 
     def stored(
-        self, engine_hashes: Sequence[Hashable], parent: Hashable | None, token_ids: Sequence[int]
+        self,
+        engine_hashes: Sequence[Hashable],
+        parent: Hashable | None,
+        token_ids: Sequence[int],
+        salt: str | None = None,
     ) -> KvChange | None:
+        """`salt` is the cache salt of a chain's first block (None: unsalted); later blocks follow their
+        parent."""
         if parent is None:
             parent_name = None
         elif parent in self._names:
@@ -34,7 +40,7 @@ class KvTranslator:
         else:
             self.skipped += len(engine_hashes)
             return None
-        ours = block_hashes(token_ids, self.block_size, parent_name)
+        ours = block_hashes(token_ids, self.block_size, parent_name, salt if parent is None else None)
         if len(ours) != len(engine_hashes):
             self.skipped += len(engine_hashes)
             return None
@@ -52,3 +58,10 @@ class KvTranslator:
     def cleared(self) -> KvChange:
         self._names.clear()
         return (KvEventKind.CLEARED, ())
+
+
+def salt_of(extra_keys: Sequence[Sequence[object] | None] | None) -> str | None:
+    """The cache salt among a stored event's extra keys for its first block (vLLM puts the salt there,
+    beside LoRA names and multimodal keys), or None."""
+    first = extra_keys[0] if extra_keys else None
+    return next((k for k in first or () if isinstance(k, str) and k.startswith(SALT_TAG)), None)

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
-from gpu_workers.kv_translate import KvTranslator
+from gpu_workers.kv_translate import KvTranslator, salt_of
 from queue_schemas.config import PoolConfig, VllmEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest
 from queue_schemas.model_store import ModelSourceError, ModelStore
@@ -239,7 +239,10 @@ class VllmEngine:
                     change: KvChange | None = None
                     if isinstance(event, BlockStored):
                         change = self._translator.stored(
-                            event.block_hashes, event.parent_block_hash, event.token_ids
+                            event.block_hashes,
+                            event.parent_block_hash,
+                            event.token_ids,
+                            salt_of(event.extra_keys) if event.parent_block_hash is None else None,
                         )
                     elif isinstance(event, BlockRemoved):
                         change = self._translator.removed(event.block_hashes)
@@ -290,6 +293,8 @@ class VllmEngine:
         except (ValueError, VLLMClientError) as exc:
             raise EngineError(f"sampling parameters refused by the engine: {exc}") from None
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         n_prompt = len(request.prompt_token_ids)
         finished = False
         try:

@@ -12,7 +12,7 @@ from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
 from queue_schemas.openai_types import GenerationFields
-from queue_schemas.prefix import block_hashes
+from queue_schemas.prefix import block_hashes, cache_salt
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -67,13 +67,15 @@ def build_request(
         frequency_penalty=body.frequency_penalty or 0.0,
         structured=structured,
     )
+    salt = cache_salt(team, pool.shared_prefix_cache)
     return InferenceRequest(
         request_id=request_id,
         pool=pool.name,
         model=pool.model,
         team=team,
         prompt_token_ids=tuple(prompt_token_ids),
-        block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size)),
+        block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size, salt=salt)),
+        cache_salt=salt,
         sampling=sampling,
         created_at=now,
         start_by=now + min(pool.queue_timeout_s, timeout_s),

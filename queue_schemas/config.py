@@ -118,6 +118,11 @@ class PoolConfig(BaseModel):
         description="admission refuses new requests while the lag (held ones included) reaches this",
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
+    shared_prefix_cache: bool = Field(
+        default=False,
+        description="let teams reuse each other's cached prefixes (a public system prompt, say); then a "
+        "team can tell from cached_tokens or timing that another team recently sent the same prefix",
+    )
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
     vllm: VllmEngineConfig | None = None
     scaling: ScalingConfig = ScalingConfig()

@@ -96,6 +96,11 @@ class InferenceRequest(Message):
     team: Name
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     block_hashes: tuple[str, ...] = ()
+    cache_salt: str | None = Field(
+        default=None,
+        max_length=128,
+        description="keeps the prompt's cached prefix to its team (vLLM cache_salt)",
+    )
     sampling: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     reply: ReplyMode = ReplyMode.STREAM

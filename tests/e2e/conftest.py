@@ -44,6 +44,11 @@ min_replicas = 0
 max_replicas = 0
 
 [[pools]]
+name = "shared"          # teams reuse each other's cached prefixes (opted in)
+model = "sluice-shared"
+shared_prefix_cache = true
+
+[[pools]]
 name = "tok"             # a real BPE tokenizer and chat template from a model folder
 model = "sluice-tok"
 tokenizer = "{tokenizer}"

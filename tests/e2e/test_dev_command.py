@@ -29,7 +29,7 @@ from queue_schemas.codec import decode
 from queue_schemas.messages import KvEvent
 from queue_schemas.names import Names
 from queue_schemas.openai_types import ChatMessage
-from queue_schemas.prefix import block_hashes
+from queue_schemas.prefix import block_hashes, cache_salt
 from queue_schemas.tokenizer import HFTokenizer
 
 MODEL = "smollm2-135m-instruct"
@@ -186,7 +186,9 @@ def test_a_long_prompt_twice_is_cached_and_indexed(dev_run: DevRun) -> None:
     ids = tok.encode_chat([ChatMessage.model_validate(dict(m)) for m in messages])
     assert len(ids) == prompt_tokens, "ingress counted the prompt as the engine saw it"
     indexed = asyncio.run(_indexed_blocks(dev_run.env["SLUICE_REDIS_URL"], "smollm2-w0"))
-    assert set(block_hashes(ids, 128)) <= indexed, "the worker's prefix index holds the prompt's blocks"
+    # Named by the salted chain of the key's team, as ingress named them for placement.
+    ours = block_hashes(ids, 128, salt=cache_salt("dev", shared=False))
+    assert set(ours) <= indexed, "the worker's prefix index holds the prompt's blocks"
 
 
 async def _indexed_blocks(redis_url: str, worker_id: str) -> set[str]:

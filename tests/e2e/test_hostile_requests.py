@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 
 import httpx
+import openai
 import pytest
 import redis.asyncio as aioredis
 
@@ -105,3 +107,27 @@ def test_a_key_whose_team_record_is_gone_is_refused(endpoints: Endpoints) -> Non
     response = post(endpoints, key, body)
     assert response.status_code == 403, response.text
     assert response.json()["error"]["code"] == "unknown_team"
+
+
+def cached_tokens(client: openai.OpenAI, model: str, prompt: str) -> int:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=2
+    )
+    assert reply.usage is not None
+    details = reply.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+@pytest.mark.parametrize(("model", "shared"), [("sluice-sim", False), ("sluice-shared", True)])
+def test_a_team_cannot_see_another_teams_cached_prefix(
+    endpoints: Endpoints, model: str, shared: bool
+) -> None:
+    """Per-team isolation by default; a pool that opts into sharing reuses across teams."""
+    prompt = f"{secrets.token_hex(8)} " + "a long shared instruction block. " * 40
+    team_a = openai_client(endpoints, team_key(endpoints, f"cache-a-{int(shared)}"))
+    team_b = openai_client(endpoints, team_key(endpoints, f"cache-b-{int(shared)}"))
+    first, repeat = cached_tokens(team_a, model, prompt), cached_tokens(team_a, model, prompt)
+    other = cached_tokens(team_b, model, prompt)
+    assert first == 0
+    assert repeat > 1000, "a team's own repeat is served from the cache"
+    assert other == (repeat if shared else 0)

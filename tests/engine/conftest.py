@@ -40,7 +40,11 @@ def tiny_pool(source: str, **overrides: object) -> PoolConfig:
 
 
 def request_for(
-    tokens: list[int], max_tokens: int = 16, rid: str = "req-0000000000000001", **sampling: object
+    tokens: list[int],
+    max_tokens: int = 16,
+    rid: str = "req-0000000000000001",
+    salt: str | None = None,
+    **sampling: object,
 ) -> InferenceRequest:
     return InferenceRequest(
         request_id=rid,
@@ -48,7 +52,8 @@ def request_for(
         model="tiny",
         team="t",
         prompt_token_ids=tuple(tokens),
-        block_hashes=tuple(block_hashes(tokens, BLOCK)),
+        block_hashes=tuple(block_hashes(tokens, BLOCK, salt=salt)),
+        cache_salt=salt,
         sampling=SamplingParams.model_validate({"max_tokens": max_tokens, "temperature": 0.0, **sampling}),
         created_at=0.0,
         deadline=1e12,

@@ -13,7 +13,7 @@ from gpu_workers.engine import EngineError, EngineOutput
 from gpu_workers.vllm_engine import VllmEngine
 from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
 from queue_schemas.model_store import ModelStore
-from queue_schemas.prefix import block_hashes
+from queue_schemas.prefix import block_hashes, cache_salt
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT), pytest.mark.asyncio(loop_scope="module")]
@@ -85,6 +85,21 @@ async def test_same_prompt_twice_hits_the_prefix_cache(engine: VllmEngine) -> No
     stats = engine.stats()
     assert stats.prefix_hit_tokens >= 2 * BLOCK
     assert stats.prefix_query_tokens > stats.prefix_hit_tokens
+
+
+async def test_a_cached_prefix_is_reused_only_under_the_same_salt(engine: VllmEngine) -> None:
+    prompt = [t + 2 for t in LONG_PROMPT]  # a prompt no other test sends
+    team_a, team_b = cache_salt("a", shared=False), cache_salt("b", shared=False)
+    engine.take_kv_changes()
+    first = await collect(engine, request_for(prompt, max_tokens=4, rid="salt-a-00000000001", salt=team_a))
+    again = await collect(engine, request_for(prompt, max_tokens=4, rid="salt-a-00000000002", salt=team_a))
+    other = await collect(engine, request_for(prompt, max_tokens=4, rid="salt-b-00000000001", salt=team_b))
+    assert [first[-1].cached_tokens, again[-1].cached_tokens, other[-1].cached_tokens] == [0, 2 * BLOCK, 0]
+    await asyncio.sleep(0.3)
+    stored = {h for kind, hashes in engine.take_kv_changes() if kind is KvEventKind.STORED for h in hashes}
+    salted_a, salted_b = (set(block_hashes(prompt, BLOCK, salt=s)) for s in (team_a, team_b))
+    assert salted_a | salted_b <= stored, "the events name each team's salted chain"
+    assert not set(block_hashes(prompt, BLOCK)) & stored, "no unsalted name for a salted prompt"
 
 
 async def test_stop_sequences_and_sampling_fields_reach_the_engine(engine: VllmEngine) -> None:

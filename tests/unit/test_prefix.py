@@ -1,6 +1,8 @@
 import pytest
 
-from queue_schemas.prefix import block_hashes
+from gpu_workers.kv_translate import KvTranslator, salt_of
+from queue_schemas.messages import KvEventKind
+from queue_schemas.prefix import block_hashes, cache_salt
 
 
 def test_only_full_blocks_are_hashed() -> None:
@@ -22,3 +24,25 @@ def test_hashes_are_stable_across_calls() -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1, 2], 0)
+
+
+def test_salted_chains_share_nothing_and_continue_from_their_parent() -> None:
+    tokens = list(range(64))
+    a, b = cache_salt("a", shared=False), cache_salt("b", shared=False)
+    assert cache_salt("a", shared=True) is None
+    chain_a, chain_b, plain = (block_hashes(tokens, 16, salt=s) for s in (a, b, None))
+    assert not set(chain_a) & set(chain_b)
+    assert not set(chain_a) & set(plain)
+    assert block_hashes(tokens, 16, salt=a) == chain_a  # deterministic
+    assert block_hashes(tokens[32:], 16, parent_hash=chain_a[1]) == chain_a[2:]
+
+
+def test_the_translator_names_a_salted_chain_from_the_engines_extra_keys() -> None:
+    tokens = list(range(32))
+    salt = cache_salt("acme", shared=False)
+    translator = KvTranslator(16)
+    extra = [("lora-x", salt), None]  # vLLM puts the salt beside other keys of the first block
+    change = translator.stored(["e1", "e2"], None, tokens, salt_of(extra))
+    assert change == (KvEventKind.STORED, tuple(block_hashes(tokens, 16, salt=salt)))
+    assert salt_of(None) is None
+    assert salt_of([("lora-x",)]) is None
