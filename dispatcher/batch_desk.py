@@ -19,7 +19,7 @@ import structlog
 from aiokafka import ConsumerRecord
 
 from dispatcher import metrics
-from dispatcher.batch_intake import batch_request, parse_batch_body, prompt_ids
+from dispatcher.batch_intake import batch_request, parse_batch_body, plan_batch_output, prompt_ids
 from dispatcher.hold import Held
 from queue_schemas.answers import AnswerSink, Delivery
 from queue_schemas.api_errors import ApiError, InsufficientQuota, InvalidRequest, RateLimited
@@ -35,13 +35,15 @@ from queue_schemas.batch import (
     read_envelope,
     reply_topic_owned,
 )
+from queue_schemas.checks import CheckRunner
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import Names
+from queue_schemas.openai_types import ChatCompletionRequest
 from queue_schemas.quota import TeamRecord
 from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.signing import Headers, read_signature, signature_valid
-from queue_schemas.structured import xgrammar_check
+from queue_schemas.structured import checked_param, xgrammar_check
 from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.dispatcher.batch")
@@ -82,6 +84,7 @@ class BatchDesk:
         self.quota = QuotaGate(redis, names)
         self._dead_letter = dead_letter
         self._compile_check = xgrammar_check if pool.engine == "vllm" else None
+        self.checks = CheckRunner()
         self._teams: dict[str, tuple[float, TeamRecord]] = {}  # team -> (trusted until, record)
 
     async def admit(self, record: ConsumerRecord[Any, Any]) -> InferenceRequest | Refusal | None:
@@ -115,8 +118,13 @@ class BatchDesk:
             metrics.OUTCOMES.labels(self.pool.name, "duplicate").inc()
             return None
         try:
-            parsed = parse_batch_body(sub, self.pool, self._compile_check)
+            parsed = parse_batch_body(sub, self.pool)
             ids = await prompt_ids(sub, parsed, self.tokenizer)
+            if isinstance(parsed.body, ChatCompletionRequest):
+                cheap, param = parsed, checked_param(parsed.body)
+                parsed = await self.checks.run(
+                    lambda: plan_batch_output(sub, cheap, self._compile_check), param
+                )
             return batch_request(sub, envelope.reply_topic, self.pool, parsed, ids, time.time())
         except ApiError as err:
             return self._refusal(envelope, record, err)

@@ -7,7 +7,7 @@ dispatcher sends it back as the answer's response (status and OpenAI error body)
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from queue_schemas.admission import build_request, parse_body
@@ -16,7 +16,13 @@ from queue_schemas.batch import DEFAULT_COMPLETION_WINDOW_S, BatchSubmission, in
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import BatchTicket, InferenceRequest, Priority, ReplyMode
 from queue_schemas.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields
-from queue_schemas.structured import CompileCheck, OutputPlan, plan_output
+from queue_schemas.structured import (
+    CompileCheck,
+    OutputPlan,
+    check_sizes,
+    plan_output,
+    tool_definitions,
+)
 from queue_schemas.tokenizer import PromptTokenizer, encode_off_loop
 
 RUN_ALLOWANCE_S = 3600.0  # once started, how long a batch request may run before it is abandoned
@@ -26,7 +32,7 @@ RUN_ALLOWANCE_S = 3600.0  # once started, how long a batch request may run befor
 class BatchBody:
     body: GenerationFields
     kind: Literal["chat", "text"]
-    plan: OutputPlan
+    plan: OutputPlan = field(default_factory=OutputPlan)  # set by `plan_batch_output`, the costly check
 
 
 def call_id_for(request_id: str) -> str:
@@ -34,17 +40,17 @@ def call_id_for(request_id: str) -> str:
     return "call_" + hashlib.sha256(request_id.encode()).hexdigest()[:24]
 
 
-def parse_batch_body(sub: BatchSubmission, pool: PoolConfig, compile_check: CompileCheck | None) -> BatchBody:
-    """Validate the submission's OpenAI body for `pool` (whose batch topic it came from)."""
+def parse_batch_body(sub: BatchSubmission, pool: PoolConfig) -> BatchBody:
+    """Validate the submission's OpenAI body for `pool` (whose batch topic it came from): the cheap
+    checks, schema sizes included; `plan_batch_output` makes the expensive ones."""
     body: GenerationFields
     kind: Literal["chat", "text"]
     if sub.url == "/v1/chat/completions":
         chat = parse_body(ChatCompletionRequest, sub.body)
-        rid = internal_request_id(sub.team, sub.request_id)
-        plan = plan_output(chat, call_id_for(rid), compile_check, tool_parser=False)
+        check_sizes(chat)
         body, kind = chat, "chat"
     else:
-        body, kind, plan = parse_body(CompletionRequest, sub.body), "text", OutputPlan()
+        body, kind = parse_body(CompletionRequest, sub.body), "text"
     if body.stream:
         raise InvalidRequest("stream is not supported in a batch; the answer comes whole.", param="stream")
     if body.model != pool.model:
@@ -53,7 +59,18 @@ def parse_batch_body(sub: BatchSubmission, pool: PoolConfig, compile_check: Comp
             param="model",
             code="model_not_found",
         )
-    return BatchBody(body, kind, plan)
+    return BatchBody(body, kind)
+
+
+def plan_batch_output(
+    sub: BatchSubmission, parsed: BatchBody, compile_check: CompileCheck | None
+) -> BatchBody:
+    """The body with its output plan: schemas validated and compiled (run it in a check thread)."""
+    if not isinstance(parsed.body, ChatCompletionRequest):
+        return parsed
+    rid = internal_request_id(sub.team, sub.request_id)
+    plan = plan_output(parsed.body, call_id_for(rid), compile_check, tool_parser=False)
+    return replace(parsed, plan=plan)
 
 
 async def prompt_ids(sub: BatchSubmission, parsed: BatchBody, tokenizer: PromptTokenizer) -> list[int]:
@@ -72,7 +89,7 @@ async def prompt_ids(sub: BatchSubmission, parsed: BatchBody, tokenizer: PromptT
     if isinstance(parsed.body, ChatCompletionRequest):
         chat = parsed.body
         ids = await encode_off_loop(
-            lambda m: tokenizer.encode_chat(m, parsed.plan.tools), chat.messages, size
+            lambda m: tokenizer.encode_chat(m, tool_definitions(chat)), chat.messages, size
         )
     else:
         assert isinstance(parsed.body, CompletionRequest)

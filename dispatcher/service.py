@@ -34,6 +34,7 @@ from dispatcher import metrics
 from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
 from dispatcher.hold import Held, Hold
+from dispatcher.in_flight import InFlight
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Demand, choose_least_loaded
 from dispatcher.recovery import take_over
@@ -85,7 +86,7 @@ class Dispatcher:
         self._paused: set[str] = set()  # topics whose partitions are paused
         self._background: list[asyncio.Task[None]] = []
         self._unadmitted: list[ConsumerRecord[Any, Any]] = []
-        self._answering: set[asyncio.Task[None]] = set()  # answers being delivered in the background
+        self.in_flight = InFlight()  # batch admissions and answers under way
 
     async def run(self, stop: asyncio.Event) -> None:
         self.consumer.subscribe([self.topic, self.batch_topic], listener=_Rebalance(self))
@@ -117,8 +118,7 @@ class Dispatcher:
                 task.cancel()
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(self._background, timeout=2.0)
-            if self._answering:  # answers under way get a moment; unfinished ones are redelivered
-                await asyncio.wait(self._answering, timeout=5.0)
+            await self.in_flight.settle(timeout_s=5.0)
             # Requests still held are not committed: the group redelivers them to whoever owns them next.
             with contextlib.suppress(Exception):
                 await self._acknowledge()
@@ -127,7 +127,8 @@ class Dispatcher:
     async def _receive(self) -> None:
         if self._unadmitted:  # batch records whose admission met a Redis failure: theirs is the next try
             retry, self._unadmitted = self._unadmitted, []
-            await asyncio.gather(*(self._admit_batch(record) for record in retry))
+            for record in retry:
+                self.in_flight.start(self._admit_batch(record), "admit")
         wait_ms = int(self.settings.hold_poll_s * 1000) if len(self.hold) else 200
         batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await self.consumer.getmany(
             timeout_ms=wait_ms, max_records=self.settings.fetch_max_records
@@ -140,21 +141,27 @@ class Dispatcher:
                     batch_records.append(record)
                 else:
                     await self._admit(record)
-        # Interactive records first; batch ones concurrently, so a large fetch of them is a few round
-        # trips, not hundreds, before the next placement round.
-        if batch_records:
-            await asyncio.gather(*(self._admit_batch(record) for record in batch_records))
+        # Interactive records first; batch ones are admitted in the background (their signatures, schema
+        # checks and tokenizing), so neither a large fetch of them nor a slow one holds up placement.
+        for record in batch_records:
+            self.in_flight.start(self._admit_batch(record), "admit")
 
     async def _admit_batch(self, record: ConsumerRecord[Any, Any]) -> None:
+        source = (record.topic, record.partition)
         try:
             request = await self.batch.admit(record)
         except (RedisError, BusUnavailable) as exc:
             log.warning("batch record not admitted yet; bus unavailable", error=str(exc))
             self._unadmitted.append(record)  # its offset stays open: it is neither lost nor committed
             return
-        source = (record.topic, record.partition)
+        except Exception as exc:  # a fault of this record's alone: dead-lettered, never the loop's end
+            log.error("batch record failed admission", error=type(exc).__name__, exc_info=True)
+            with contextlib.suppress(BusUnavailable):
+                await self.acts.dead_letter(record, f"admission failed: {type(exc).__name__}")
+            self.offsets.closed(source, record.offset)
+            return
         if isinstance(request, Refusal):
-            self._in_background(
+            self.in_flight.deliver(
                 request.send,
                 done=lambda: self.offsets.closed(source, record.offset),
                 retry=lambda: self._unadmitted.append(record),
@@ -262,28 +269,7 @@ class Dispatcher:
             self.hold.add(held)
 
         self.hold.remove(held.request.request_id)
-        self._in_background(send, done=lambda: self._finish(held), retry=retry)
-
-    def _in_background(
-        self, send: Callable[[], Awaitable[object]], done: Callable[[], None], retry: Callable[[], None]
-    ) -> None:
-        """Deliver an answer without holding up placement: a reply topic that is slow to refuse costs
-        its own task, not the loop. `done` once it is delivered or dead-lettered, `retry` on an outage."""
-
-        async def deliver() -> None:
-            try:
-                await send()
-            except (RedisError, BusUnavailable) as exc:
-                log.warning("answer not delivered yet; bus unavailable", error=str(exc))
-                retry()
-                return
-            except Exception:  # never the loop's end: the record is done with, and logged
-                log.exception("answer failed")
-            done()
-
-        task = asyncio.create_task(deliver(), name="answer")
-        self._answering.add(task)
-        task.add_done_callback(self._answering.discard)
+        self.in_flight.deliver(send, done=lambda: self._finish(held), retry=retry)
 
     # acknowledge
     async def _acknowledge(self) -> None:
@@ -304,8 +290,8 @@ class Dispatcher:
         )
         for topic, priority, capacity in bounds:
             assigned = [tp for tp in self.consumer.assignment() if tp.topic == topic]
-            # Answers under way hold their records' offsets too, so they count against the bound.
-            size = self.hold.size(priority) + (len(self._answering) if priority is Priority.BATCH else 0)
+            # Admissions and answers under way hold their records' offsets too: they count against the bound.
+            size = self.hold.size(priority) + (len(self.in_flight) if priority is Priority.BATCH else 0)
             if topic not in self._paused and size >= capacity:
                 self.consumer.pause(*assigned)
                 self._paused.add(topic)

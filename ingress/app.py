@@ -63,6 +63,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
         try:
             yield
         finally:
+            app.state.ctx.checks.close()
             await hub.close()
             await producer.stop()
             await redis.aclose()

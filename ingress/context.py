@@ -18,6 +18,7 @@ from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from queue_schemas.admission import partition_key
 from queue_schemas.api_errors import ServiceUnavailable
+from queue_schemas.checks import CheckRunner
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import CancelNotice, InferenceRequest
@@ -41,6 +42,7 @@ class IngressContext:
     auth: Authenticator
     quota: QuotaGate
     pool_gate: PoolGate
+    checks: CheckRunner = field(default_factory=CheckRunner)  # schema checks, after the quota gate
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def release(self, request_id: str) -> None:

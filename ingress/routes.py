@@ -6,7 +6,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import structlog
@@ -33,7 +33,14 @@ from queue_schemas.openai_types import (
     GenerationFields,
     ResponseShape,
 )
-from queue_schemas.structured import OutputPlan, plan_output, xgrammar_check
+from queue_schemas.structured import (
+    OutputPlan,
+    check_sizes,
+    checked_param,
+    plan_output,
+    tool_definitions,
+    xgrammar_check,
+)
 from queue_schemas.tokenizer import encode_off_loop
 
 log = structlog.get_logger("sluice.ingress")
@@ -110,6 +117,8 @@ async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
         return json.loads(raw), len(raw)
     except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
         raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("The JSON body of your request nests too deeply.") from None
 
 
 def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
@@ -126,19 +135,33 @@ def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
 NO_PLAN = OutputPlan()
 
 
+async def no_plan() -> OutputPlan:
+    return NO_PLAN
+
+
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
+    """Checks in cost order: the key (a dependency), the body and its sizes, the prompt's tokens, the
+    pool and quota gate, and only then the schemas (validated and compiled in a check thread)."""
     raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
     body = parse_body(ChatCompletionRequest, raw)
     pool = resolve_pool(ctx, team, body.model)
-    compile_check = xgrammar_check if pool.engine == "vllm" else None
-    plan = plan_output(body, f"call_{secrets.token_hex(12)}", compile_check, tool_parser=False)
+    check_sizes(body)
     tokenizer = ctx.tokenizers[pool.name]
+    tools = tool_definitions(body)
 
     def encode(messages: list[ChatMessage]) -> list[int]:
-        return tokenizer.encode_chat(messages, plan.tools)
+        return tokenizer.encode_chat(messages, tools)
 
     prompt_ids = await encode_off_loop(encode, body.messages, size)
+    compile_check = xgrammar_check if pool.engine == "vllm" else None
+    call_id = f"call_{secrets.token_hex(12)}"
+
+    async def plan() -> OutputPlan:
+        return await ctx.checks.run(
+            lambda: plan_output(body, call_id, compile_check, tool_parser=False), checked_param(body)
+        )
+
     return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
 
 
@@ -161,13 +184,13 @@ async def serve(
     body: GenerationFields,
     prompt_ids: list[int],
     kind: Literal["chat", "text"],
-    plan: OutputPlan = NO_PLAN,
+    make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
 ) -> Response:
-    """Admit (pool and quota), queue, then relay: the steps both completion endpoints share."""
+    """Admit (pool and quota), check the output plan, queue, then relay: the steps both completion
+    endpoints share. The plan's checks are the expensive ones, so they come after the gate."""
     inference = admission.build_request(
         body, pool, team.key.team, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
-        structured=plan.structured,
     )  # fmt: skip
     try:
         await ctx.pool_gate.check(pool)
@@ -177,6 +200,14 @@ async def serve(
     except ApiError as err:
         REJECTIONS.labels(pool.name, err.code or err.type).inc()
         raise
+    try:
+        plan = await make_plan()
+    except BaseException:
+        await ctx.release(inference.request_id)
+        raise
+    if plan.structured is not None:
+        sampling = inference.sampling.model_copy(update={"structured": plan.structured})
+        inference = inference.model_copy(update={"sampling": sampling})
     sub = await queue(ctx, inference)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), pool.model)

@@ -30,6 +30,8 @@ from queue_schemas.openai_types import (
 # Returns why the engine cannot compile a schema (serialized), or None when it can.
 CompileCheck = Callable[[str], str | None]
 SCHEMA_PARAM = "response_format.json_schema.schema"
+MAX_SCHEMA_BYTES = 64 * 1024  # one schema, serialized
+MAX_TOTAL_SCHEMA_BYTES = 256 * 1024  # every schema of a request together
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -97,6 +99,40 @@ def _any_tool_schema(tools: list[Tool], params: list[dict[str, Any]], text: bool
     return {"anyOf": [*calls, TEXT_ANSWER] if text else calls}
 
 
+def check_sizes(body: ChatCompletionRequest) -> None:
+    """The cheap part of the output checks, made before the quota gate: each schema's serialized size,
+    and their sum, are bounded, so the expensive part (validation and compiling) is bounded too."""
+    sized: list[tuple[str, Any]] = [
+        (f"tools.{i}.function.parameters", t.function.parameters) for i, t in enumerate(body.tools or [])
+    ]
+    fmt = body.response_format
+    if isinstance(fmt, JsonSchemaResponseFormat):
+        sized.append((SCHEMA_PARAM, fmt.json_schema.schema_))
+    total = 0
+    for param, schema in sized:
+        size = len(json.dumps(schema, separators=(",", ":")))
+        if size > MAX_SCHEMA_BYTES:
+            raise InvalidRequest(
+                f"The JSON schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed.", param=param
+            )
+        total += size
+    if total > MAX_TOTAL_SCHEMA_BYTES:
+        raise InvalidRequest(
+            f"The request's JSON schemas total {total} bytes; at most {MAX_TOTAL_SCHEMA_BYTES} are allowed.",
+            param="tools" if body.tools else SCHEMA_PARAM,
+        )
+
+
+def tool_definitions(body: ChatCompletionRequest) -> tuple[dict[str, Any], ...]:
+    """The tools as the chat template shows them to the model (needed to count the prompt's tokens)."""
+    return tuple(t.model_dump(exclude_none=True) for t in body.tools or [])
+
+
+def checked_param(body: ChatCompletionRequest) -> str:
+    """The field a check that ran out of time is blamed on."""
+    return SCHEMA_PARAM if isinstance(body.response_format, JsonSchemaResponseFormat) else "tools"
+
+
 def plan_output(
     body: ChatCompletionRequest, call_id: str, compile_check: CompileCheck | None, tool_parser: bool
 ) -> OutputPlan:
@@ -106,7 +142,7 @@ def plan_output(
     if len(set(names)) != len(names):
         raise InvalidRequest("Function names in tools must be unique.", param="tools")
     params = [_parameters(t, i, compile_check) for i, t in enumerate(tools)]
-    definitions = tuple(t.model_dump(exclude_none=True) for t in tools)
+    definitions = tool_definitions(body)
     choice = body.tool_choice
     if choice is not None and not tools:
         raise InvalidRequest("tool_choice is only allowed when tools are given.", param="tool_choice")

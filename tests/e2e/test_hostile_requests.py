@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from infra.devstack import Endpoints
 from queue_schemas.names import Names
+from queue_schemas.quota import TeamLimits
 from tests.e2e.conftest import openai_client, team_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -131,3 +132,35 @@ def test_a_team_cannot_see_another_teams_cached_prefix(
     assert first == 0
     assert repeat > 1000, "a team's own repeat is served from the cache"
     assert other == (repeat if shared else 0)
+
+
+def test_the_rate_gate_comes_before_schema_checks(endpoints: Endpoints) -> None:
+    """A key at its request limit gets 429 even for a body whose schemas would take work to check."""
+    key = team_key(endpoints, "gate-first", TeamLimits(requests_per_minute=1))
+    assert post(endpoints, key, json.dumps(chat_body(max_tokens=2)).encode()).status_code == 200
+    invalid = {"type": "object", "properties": {"x": {"type": "no-such-type"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": invalid}}
+    limited = post(endpoints, key, json.dumps(chat_body(max_tokens=2, response_format=fmt)).encode())
+    assert limited.status_code == 429, limited.text
+    # With room under the limit, the same schema is refused by the check itself.
+    fresh = team_key(endpoints, "gate-first-room")
+    refused = post(endpoints, fresh, json.dumps(chat_body(max_tokens=2, response_format=fmt)).encode())
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_schema_sizes_are_bounded_per_schema_and_per_request(endpoints: Endpoints) -> None:
+    def tool(i: int, props: int) -> dict[str, object]:
+        properties = {f"p{j:05d}": {"type": "string", "description": "x" * 40} for j in range(props)}
+        parameters = {"type": "object", "properties": properties}
+        return {"type": "function", "function": {"name": f"f{i}", "parameters": parameters}}
+
+    big = post(endpoints, endpoints.api_key, json.dumps(chat_body(tools=[tool(0, 1500)])).encode())
+    assert big.status_code == 400, big.text
+    assert big.json()["error"]["param"] == "tools.0.function.parameters"
+    many = post(
+        endpoints, endpoints.api_key, json.dumps(chat_body(tools=[tool(i, 700) for i in range(6)])).encode()
+    )
+    assert many.status_code == 400, many.text
+    assert many.json()["error"]["param"] == "tools"
+    assert "total" in many.json()["error"]["message"]
