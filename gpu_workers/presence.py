@@ -99,6 +99,15 @@ def heartbeat(
     )
 
 
+def state_on_drain_request(state: WorkerState, asked: bool) -> WorkerState:
+    """A ready worker drains while the scaler asks it to (its readiness probe fails, so the cluster
+    removes this pod first when it lowers the replica count), and is ready again once the request is
+    withdrawn or expires. Pure; a worker draining to exit never comes here."""
+    if state not in (WorkerState.READY, WorkerState.DRAINING):
+        return state
+    return WorkerState.DRAINING if asked else WorkerState.READY
+
+
 async def beat_forever(
     publish: Callable[[], Awaitable[None]], interval_s: float, soon: asyncio.Event
 ) -> None:

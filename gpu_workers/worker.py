@@ -22,7 +22,15 @@ from gpu_workers.engine import EarlyStart, Engine, EngineError
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.output import RequestOutput
-from gpu_workers.presence import CompletionRate, Vitals, beat_forever, heartbeat, leave_pool, write_state_file
+from gpu_workers.presence import (
+    CompletionRate,
+    Vitals,
+    beat_forever,
+    heartbeat,
+    leave_pool,
+    state_on_drain_request,
+    write_state_file,
+)
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.starting import (
     BEGIN_SCRIPT,
@@ -79,6 +87,7 @@ class Worker:
         self.error: str | None = None
         self.tensor_parallel_size = 1
         self._abort_reason = (ErrorCode.CANCELLED, "the request was cancelled")
+        self._exiting = False  # draining to exit (a stop), not at the scaler's request
         self.answers = AnswerSink(
             redis,
             self.names,
@@ -171,6 +180,7 @@ class Worker:
         dispatchers saw it. Requests still running at the deadline end with an error event.
         """
         self.state = WorkerState.DRAINING
+        self._exiting = True
         await self._publish_heartbeat_quietly()
         started = time.monotonic()
         deadline = started + self.settings.drain_timeout_s
@@ -374,6 +384,12 @@ class Worker:
         await beat_forever(self._publish_heartbeat, self.settings.heartbeat_interval_s, self._beat_soon)
 
     async def _publish_heartbeat(self) -> None:
+        if not self._exiting and self.state in (WorkerState.READY, WorkerState.DRAINING):
+            asked = bool(await self.redis.exists(self.names.drain_request(self.settings.worker_id)))
+            state = state_on_drain_request(self.state, asked)
+            if state is not self.state:
+                log.info("drain requested" if asked else "drain withdrawn", worker=self.settings.worker_id)
+            self.state = state
         # Awaited before the fields are read, so one heartbeat never mixes states from either side of it.
         inbox_pending = await self.inbox.undelivered()
         self._hb_seq += 1

@@ -143,19 +143,23 @@ async def with_backoff(
 
 
 def configure_logging(settings: BusSettings, service: str) -> None:
-    """structlog to stderr, key=value for people or JSON lines for collectors."""
+    """structlog to stderr, key=value for people or JSON lines for collectors.
+
+    Tracebacks are plain in both modes: frames and lines, never local variables, which would carry
+    prompts, request bodies and keys into the logs."""
     level = getattr(logging, settings.log_level.upper())
     logging.basicConfig(level=level, format="%(message)s")
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if settings.log_json
-        else structlog.dev.ConsoleRenderer(colors=False)
+        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
+            *([structlog.processors.format_exc_info] if settings.log_json else []),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

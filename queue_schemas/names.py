@@ -79,6 +79,11 @@ class Names:
     def recovery_lock(self, worker_id: str) -> str:
         return f"{self.prefix}:recover:{worker_id}"
 
+    def drain_request(self, worker_id: str) -> str:
+        """Set by the scaler: the worker drains (not ready, no new placements) but stays up until it is
+        stopped; deleted or expired, the worker is ready again."""
+        return f"{self.prefix}:drain:{worker_id}"
+
     def started(self, request_id: str) -> str:
         return f"{self.prefix}:started:{request_id}"
 

@@ -18,8 +18,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from queue_schemas.clients import admin_options, consumer_options, redis_client, with_backoff
-from scaler.backends import Backend, DryRunBackend, KubernetesBackend, LocalBackend
+from scaler.backends import Backend, DryRunBackend, LocalBackend
 from scaler.dashboard import dashboard_body, report_body
+from scaler.kubernetes import KubernetesBackend
 from scaler.service import LagReader, Scaler, controllers
 from scaler.settings import ScalerSettings
 

@@ -1,5 +1,5 @@
 """Where scaling decisions are carried out: `dry-run` logs them; `local` starts and drains worker processes;
-`kubernetes` sets a Deployment's replica count and picks which pod drains.
+`kubernetes` (scaler/kubernetes.py) sets a Deployment's replica count and picks which pod drains.
 
 The local backend starts `python -m gpu_workers` children in its own process group (so stopping the
 scaler's group stops them too) and scales down by SIGTERM, which makes a worker drain: it announces
@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
@@ -27,12 +28,25 @@ from scaler.policy import Verdict
 log = structlog.get_logger("sluice.scaler.backend")
 
 
+@dataclass(frozen=True)
+class DrainAsks:
+    """Drain requests for the scaler to set (`drain`) or withdraw (`withdraw`), by worker id."""
+
+    drain: tuple[str, ...] = ()
+    withdraw: tuple[str, ...] = ()
+
+
+NO_ASKS = DrainAsks()
+
+
 class Backend(Protocol):
     def launching(self, pool: str, known: set[str]) -> int:
         """Replicas this backend started that have not sent a heartbeat yet."""
         ...
 
-    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None: ...
+    def apply(
+        self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool
+    ) -> DrainAsks: ...
 
     def close(self, timeout_s: float) -> None: ...
 
@@ -41,11 +55,14 @@ class DryRunBackend:
     def launching(self, pool: str, known: set[str]) -> int:
         return 0
 
-    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
+    def apply(
+        self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool
+    ) -> DrainAsks:
         if verdict.action != "hold":
             log.info(
                 "would scale", pool=pool, action=verdict.action, target=verdict.target, reason=verdict.reason
             )
+        return NO_ASKS
 
     def close(self, timeout_s: float) -> None:
         return None
@@ -86,7 +103,9 @@ class LocalBackend:
     def launching(self, pool: str, known: set[str]) -> int:
         return sum(1 for worker_id in self._alive(pool) if worker_id not in known)
 
-    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
+    def apply(
+        self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool
+    ) -> DrainAsks:
         owned = self._alive(pool)
         if verdict.action == "up":
             leaving = (WorkerState.DRAINING, WorkerState.FAILED)
@@ -102,9 +121,10 @@ class LocalBackend:
             victim = pick_to_drain(beats, set(owned))
             if victim is None:
                 log.warning("no replica of ours to drain", pool=pool)
-                return
+                return NO_ASKS
             log.info("draining worker", pool=pool, worker=victim, reason=verdict.reason)
             owned[victim].send_signal(signal.SIGTERM)
+        return NO_ASKS
 
     def _start(self, pool: str, worker_id: str, spec_decoding: bool) -> None:
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -133,50 +153,3 @@ class LocalBackend:
                     os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         self._procs.clear()
-
-
-DRAINING_LABEL = "sluice.dev/draining"
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-
-
-class KubernetesBackend:
-    """Scales a Deployment per pool through its scale subresource (official kubernetes client).
-
-    Worker ids are pod names (a worker's default id is its hostname). To scale down, the chosen pod is
-    labelled draining and given the lowest deletion cost, then the replica count is lowered: the
-    Deployment controller deletes that pod, and its SIGTERM makes the worker drain within the pod's
-    termination grace period.
-    """
-
-    def __init__(self, apps: Any, core: Any, namespace: str, workload: str = "sluice-worker-{pool}") -> None:
-        self._apps = apps
-        self._core = core
-        self._namespace = namespace
-        self._workload = workload
-        self._wanted: dict[str, int] = {}
-
-    def launching(self, pool: str, known: set[str]) -> int:
-        return max(0, self._wanted.get(pool, 0) - len(known))
-
-    def apply(self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool) -> None:
-        if verdict.action == "hold":
-            return
-        name = self._workload.format(pool=pool)
-        if verdict.action == "down":
-            victim = pick_to_drain(beats, {hb.worker_id for hb in beats})
-            if victim is None:
-                log.warning("no ready pod to drain", pool=pool)
-                return
-            patch = {
-                "metadata": {"labels": {DRAINING_LABEL: "true"}, "annotations": {DELETION_COST: "-1000"}}
-            }
-            self._core.patch_namespaced_pod(victim, self._namespace, patch)
-            log.info("draining pod", pool=pool, pod=victim)
-        self._apps.patch_namespaced_deployment_scale(
-            name, self._namespace, {"spec": {"replicas": verdict.target}}
-        )
-        self._wanted[pool] = verdict.target
-        log.info("scaled deployment", pool=pool, deployment=name, replicas=verdict.target)
-
-    def close(self, timeout_s: float) -> None:
-        return None

@@ -26,7 +26,7 @@ from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
 from queue_schemas.state import read_heartbeats
 from scaler import metrics
-from scaler.backends import Backend
+from scaler.backends import Backend, DrainAsks
 from scaler.burrow import LagWindow, Status, pool_status
 from scaler.dashboard import HISTORY_POINTS, Sample, sample_of, worker_row
 from scaler.forecast import ArrivalEstimator
@@ -158,6 +158,7 @@ def controllers(pools: list[PoolConfig]) -> dict[str, PoolController]:
 
 
 MAX_RETRY_DELAY_S = 30.0
+DRAIN_REQUEST_TTL_S = 120  # a drain request the scaler stops renewing lapses, and the worker is ready again
 
 
 def retry_delay(tick_s: float, failures: int) -> float:
@@ -205,6 +206,12 @@ class Scaler:
             failures = 0 if ok else failures + 1
             await asyncio.sleep(retry_delay(self.tick_s, failures))
 
+    async def _send_drain_asks(self, asks: DrainAsks) -> None:
+        for worker_id in asks.drain:  # refreshed every tick it still stands, so a lost scaler's lapse
+            await self.redis.set(self.names.drain_request(worker_id), b"1", ex=DRAIN_REQUEST_TTL_S)
+        if asks.withdraw:
+            await self.redis.delete(*(self.names.drain_request(w) for w in asks.withdraw))
+
     def healthy(self, stale_s: float, now: float) -> bool:
         """Whether a round over every pool succeeded within the last `stale_s` seconds."""
         return now - self.last_round_ok <= stale_s
@@ -233,7 +240,8 @@ class Scaler:
         mode = c.config.scaling.spec_decoding
         c.spec_on = spec_decoding_on(mode, list(c.running_window), c.spec_on, SPEC_LOW_BATCH, SPEC_HIGH_BATCH)
         # act
-        await asyncio.to_thread(self.backend.apply, name, verdict, beats, c.spec_on)
+        asks = await asyncio.to_thread(self.backend.apply, name, verdict, beats, c.spec_on)
+        await self._send_drain_asks(asks)
         if verdict.action != "hold":
             log.info(
                 "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason

@@ -154,3 +154,29 @@ async def test_a_dead_engine_ends_the_request_and_fails_the_worker(bus: Bus) -> 
         hb = decode(Heartbeat, raw)
         assert hb.state is WorkerState.FAILED
         assert "died" in (hb.error or "")
+
+
+async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while asyncio.get_running_loop().time() < deadline:
+        raw = await p.redis.get(p.settings.names.heartbeat("sim", worker_id))
+        if raw is not None and decode(Heartbeat, raw).state is state:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{worker_id} never reported {state.value}")
+
+
+async def test_a_worker_drains_while_the_scaler_asks_and_is_ready_again_after(bus: Bus) -> None:
+    """The Kubernetes backend's way down: a drain request in Redis, no signal. The worker takes no new
+    placements (its readiness probe would fail), stays up, and returns when the request is withdrawn."""
+    async with pipeline(bus, workers=2) as p:
+        names = p.settings.names
+        await p.redis.set(names.drain_request("w0"), b"1", ex=60)
+        await wait_state(p, "w0", WorkerState.DRAINING)
+        for i in range(4):
+            req = make_request("sim", f"while-draining-{i}", max_tokens=3)
+            assert isinstance((await send_and_collect(p, req))[-1], FinalChunk)
+            assert await p.redis.get(names.placement(req.request_id)) == b"w1"
+        await p.redis.delete(names.drain_request("w0"))
+        await wait_state(p, "w0", WorkerState.READY)
+        assert not p.crashed()

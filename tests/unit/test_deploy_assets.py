@@ -236,6 +236,43 @@ def test_gpu_workers_scaler_rbac_and_readiness_follow_the_pools() -> None:
         assert spec["terminationGracePeriodSeconds"] > drain
 
 
+def test_least_privilege_in_the_assets() -> None:
+    """No pod writes for the scaler; GPU workers non-root on a read-only root filesystem; unauthenticated
+    endpoints bound to the host only; both images drop root."""
+    docs = manifests()
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "sluice-scaler"]
+    core_rules = [r for r in role["rules"] if r["apiGroups"] == [""]]
+    assert core_rules == [{"apiGroups": [""], "resources": ["pods/status"], "verbs": ["get"]}]
+    for pool in pools().pools:
+        workload = f"sluice-worker-{pool.name}"
+        (worker,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == workload]
+        spec = worker["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] != 0
+        (c,) = spec["containers"]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        writable = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", "/run/sluice", "/home/sluice/.cache", "/models"} <= writable
+
+    services = compose()["services"]
+    for name in ("scaler", "prometheus", "grafana"):
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name]["ports"]), name
+    for pool in pools().pools:
+        worker = services[f"worker-{pool.name}"]
+        assert worker["read_only"] is True
+        assert not worker["user"].startswith("0")
+        assert {"/tmp", "/run/sluice", "/home/sluice/.cache"} <= set(worker["tmpfs"])
+    for dockerfile in ("Dockerfile", "worker.Dockerfile"):
+        users = [
+            line.split()[1]
+            for line in (DEPLOY / dockerfile).read_text().splitlines()
+            if line.startswith("USER ")
+        ]
+        assert users, dockerfile
+        assert users[-1] not in ("0", "root"), dockerfile
+
+
 # Grafana
 
 
