@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
-import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -47,32 +47,60 @@ def all_logs(stack: DevStack) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted(stack.log_dir.glob("*.log")))
 
 
-def test_no_prompt_completion_or_key_reaches_the_logs(dev_stack: tuple[DevStack, Endpoints]) -> None:
-    stack, endpoints = dev_stack
-    canary = f"canary{secrets.token_hex(8)}"
-    key = team_key(endpoints, "log-scan")
-    client = openai_client(endpoints, key)
-    messages: list[ChatCompletionMessageParam] = [
-        {"role": "system", "content": f"system {canary}"},
-        {"role": "user", "content": f"tell me about {canary}"},
-    ]
-    streamed = client.chat.completions.create(
-        model="sluice-sim", messages=messages, stream=True, max_tokens=200
-    )
-    answer = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-    whole = client.chat.completions.create(model="sluice-sim", messages=messages, max_tokens=200)
-    text = client.completions.create(model="sluice-sim", prompt=f"complete {canary}", max_tokens=200)
-    with pytest.raises(openai.APIError):  # fails mid-stream: its error path logs too
-        for _ in client.chat.completions.create(model="sluice-flaky", messages=messages, stream=True):
-            pass
-    with pytest.raises(openai.AuthenticationError):
-        openai_client(endpoints, f"sk-wrong-{canary}").models.list()
-    completions = [answer, whole.choices[0].message.content or "", text.choices[0].text]
-    assert all(len(c) >= 20 for c in completions), "answers long enough to be recognised in a log"
+LOG_SCAN_POOLS = """
+[[pools]]
+name = "flaky"           # fails mid-stream: the engine-error path logs
+model = "sluice-flaky"
+[pools.simulated]
+ttft_ms = 5
+token_ms = 5
+fail_after_tokens = 5
 
-    time.sleep(1.0)  # the services' last lines reach their files
+[[pools]]
+name = "buggy"           # meets an unexpected exception: the worker logs a traceback
+model = "sluice-buggy"
+[pools.simulated]
+ttft_ms = 5
+token_ms = 5
+fail_after_tokens = 5
+fault_kind = "bug"
+"""
+
+
+def test_no_prompt_completion_or_key_reaches_the_logs(tmp_path: Path) -> None:
+    """Read after the stack has stopped, so every line its services wrote (the last ones too) is seen."""
+    default = (Path(__file__).parents[2] / "queue_schemas" / "default_pools.toml").read_text()
+    config = tmp_path / "pools.toml"
+    config.write_text(default + LOG_SCAN_POOLS)
+    stack = DevStack(tmp_path / "stack", config_path=config, extra_env={"SLUICE_HEARTBEAT_INTERVAL_S": "0.2"})
+    endpoints = stack.start()
+    canary = f"canary{secrets.token_hex(8)}"
+    try:
+        key = team_key(endpoints, "log-scan")
+        client = openai_client(endpoints, key)
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": f"system {canary}"},
+            {"role": "user", "content": f"tell me about {canary}"},
+        ]
+        streamed = client.chat.completions.create(
+            model="sluice-sim", messages=messages, stream=True, max_tokens=200
+        )
+        answer = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        whole = client.chat.completions.create(model="sluice-sim", messages=messages, max_tokens=200)
+        text = client.completions.create(model="sluice-sim", prompt=f"complete {canary}", max_tokens=200)
+        for failing in ("sluice-flaky", "sluice-buggy"):  # their error paths log too
+            with pytest.raises(openai.APIError):
+                for _ in client.chat.completions.create(model=failing, messages=messages, stream=True):
+                    pass
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(endpoints, f"sk-wrong-{canary}").models.list()
+        completions = [answer, whole.choices[0].message.content or "", text.choices[0].text]
+        assert all(len(c) >= 20 for c in completions), "answers long enough to be recognised in a log"
+    finally:
+        stack.stop()
     logs = all_logs(stack)
     assert "request_id=" in logs, "the logs were read and carry request ids"
+    assert "Traceback" in logs, "the worker's traceback for the buggy pool was written"
     assert canary not in logs
     assert key not in logs
     for completion in completions:
