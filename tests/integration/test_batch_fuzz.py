@@ -1,0 +1,106 @@
+"""Random batch records, signed or not, with random reply topics and bodies, against a live dispatcher and
+worker on the real broker and Redis, beside interactive traffic: no service dies, interactive requests
+keep finishing, and no answer reaches a topic its (proven) team does not own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from queue_schemas.messages import FinalChunk
+from queue_schemas.quota import TeamLimits, TeamRecord
+from queue_schemas.signing import sign_record
+from tests.conftest import Bus
+from tests.integration.helpers import (
+    chat,
+    create_topics,
+    make_request,
+    pipeline,
+    read_answers,
+    register_signer,
+)
+from tests.integration.test_dispatch_path import send_and_collect
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+VICTIM = "victim.answers"  # owned by no team: nothing may ever be answered there
+BODIES = [
+    chat("hello", max_tokens=4),
+    chat("x", n=2),
+    {**chat("x"), "model": "nope"},
+    chat("x", stream=True),
+    chat("x", response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": 5}}}),
+    chat("x", max_tokens=10**9),
+    {"model": "sluice-sim"},
+    "not an object",
+]
+
+record_plan = st.fixed_dictionaries(
+    {
+        "team": st.sampled_from(["acme", "ghost", "mallory", "", "NOT A TEAM"]),
+        "signer": st.sampled_from(["acme", "mallory", "ghost", "none", "tampered"]),
+        "reply": st.sampled_from([None, "results", "owned", "victim", "invalid", "requests", 7]),
+        "body": st.sampled_from(range(len(BODIES))),
+        "request_id": st.sampled_from(["r-1", "r-2", "", "x" * 200, "a b"]),
+        "version": st.sampled_from([1, 1, 1, 2, None]),
+        "garbage": st.booleans(),
+    }
+)
+
+
+def record_value(plan: dict[str, Any], prefix: str) -> bytes:
+    if plan["garbage"]:
+        return b"\xff{not json"
+    replies = {
+        None: None, "results": f"{prefix}.results.{plan['team']}", "owned": f"answers.{prefix}.x",
+        "victim": VICTIM, "invalid": "no spaces", "requests": f"{prefix}.requests.sim", 7: 7,
+    }  # fmt: skip
+    sub = {
+        "v": plan["version"], "request_id": plan["request_id"], "custom_id": plan["request_id"],
+        "team": plan["team"], "reply_topic": replies[plan["reply"]], "body": BODIES[plan["body"]],
+    }  # fmt: skip
+    return json.dumps({k: v for k, v in sub.items() if v is not None}).encode()
+
+
+def headers_for(plan: dict[str, Any], value: bytes, signers: dict[str, Ed25519PrivateKey]) -> Any:
+    if plan["signer"] == "none":
+        return None
+    if plan["signer"] == "tampered":
+        return sign_record(signers["acme"], value + b" ")
+    return sign_record(signers[plan["signer"]], value)
+
+
+async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
+    async with pipeline(bus, kafka_request_timeout_ms=1500) as p:
+        names = p.settings.names
+        limits = TeamLimits(daily_tokens=300)  # some requests fit, later ones are refused
+        record = TeamRecord(team="acme", limits=limits, reply_prefixes=(f"answers.{names.prefix}.",))
+        await p.redis.set(names.team("acme"), record.model_dump_json())
+        signers = {team: await register_signer(p.redis, names, team) for team in ("acme", "mallory", "ghost")}
+        await p.redis.delete(names.team("ghost"))
+        await create_topics(p.settings, VICTIM, partitions=1)
+        topic = names.batch_topic("sim")
+        for i, plan in enumerate(plans):
+            value = record_value(plan, names.prefix)
+            await p.producer.send_and_wait(topic, value, headers=headers_for(plan, value, signers))
+            if i % 5 == 0:  # interactive traffic keeps flowing meanwhile
+                events = await send_and_collect(p, make_request("sim", f"interactive-{i:04d}", max_tokens=3))
+                assert isinstance(events[-1], FinalChunk), events
+                assert not p.crashed()
+        events = await send_and_collect(p, make_request("sim", "interactive-last", max_tokens=3))
+        assert isinstance(events[-1], FinalChunk), events
+        await asyncio.sleep(1.0)  # let the last admissions finish before the victim topic is read
+        assert await read_answers(p.settings.kafka_bootstrap, VICTIM, 1, 2) == []
+        assert not p.crashed()
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plans=st.lists(record_plan, min_size=15, max_size=30))
+def test_random_batch_records_never_stop_the_pool(bus: Bus, plans: list[dict[str, Any]]) -> None:
+    asyncio.run(scenario(bus, plans))
