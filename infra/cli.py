@@ -139,6 +139,17 @@ def topics_create(
         typer.echo(f"{'created' if created else 'exists '} {name}")
 
 
+@topics_app.command("acls")
+def topics_acls(
+    team: Annotated[list[str] | None, typer.Option(help="also grant this batch-submitting team")] = None,
+) -> None:
+    """Print the broker ACLs (kafka-acls.sh commands): one principal per service, one per team."""
+    from infra.acls import acl_script
+    from queue_schemas.settings import BusSettings
+
+    typer.echo(acl_script(BusSettings().names, team or []), nl=False)
+
+
 @app.command("lag")
 def lag_command(
     scaler_url: Annotated[

@@ -23,8 +23,10 @@ import ingress.metrics
 import scaler.metrics
 from dispatcher.settings import DispatcherSettings
 from gpu_workers.settings import WorkerSettings
+from infra.acls import acl_script, service_grants, team_grants
 from ingress.settings import IngressSettings
 from queue_schemas.config import SluiceConfig, load_config
+from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 from scaler.settings import ScalerSettings
 
@@ -271,6 +273,30 @@ def test_least_privilege_in_the_assets() -> None:
         ]
         assert users, dockerfile
         assert users[-1] not in ("0", "root"), dockerfile
+
+
+def test_broker_acls_are_shipped_and_only_the_ingress_writes_requests() -> None:
+    names = Names("sluice")
+    assert (DEPLOY / "kafka-acls.sh").read_text() == acl_script(names, []), "regenerate: sluice topics acls"
+    grants = service_grants(names) + team_grants(names, "acme", ("acme.answers.",))
+    requests = names.requests_topic("")
+    writers = {g.principal for g in grants if "Write" in g.operations and requests.startswith(g.name)}
+    assert writers == {"User:sluice-ingress"}
+    team = [g for g in grants if g.principal == "User:team-acme"]
+    assert {g.name for g in team if "Write" in g.operations} == {names.batch_topic("")}
+    assert {g.name for g in team if g.resource == "topic" and "Read" in g.operations} == {
+        names.results_topic("acme"),
+        "acme.answers.",
+    }
+    # Each service in the cluster authenticates as its own principal, one the ACLs name.
+    principals = {g.principal for g in grants}
+    for _, c in containers():
+        env = {v["name"]: v for v in c.get("env", [])}
+        user = env["SLUICE_KAFKA_SASL_USERNAME"]["value"]
+        assert f"User:{user}" in principals, user
+        assert env["SLUICE_KAFKA_SASL_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"].endswith(
+            user.split("-")[-1]
+        )
 
 
 # Grafana
