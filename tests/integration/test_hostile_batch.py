@@ -3,6 +3,7 @@ request that meets a bug in the worker."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -17,6 +18,7 @@ from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.signing import sign_record
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
+    Pipeline,
     chat,
     create_topics,
     make_request,
@@ -29,6 +31,14 @@ from tests.integration.helpers import (
 from tests.integration.test_dispatch_path import send_and_collect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+async def wait_acknowledged(p: Pipeline, within_s: float = 5.0) -> None:
+    """Until the worker's inbox has no entry pending (each is acknowledged after its answer goes out)."""
+    deadline = time.monotonic() + within_s
+    while (await p.redis.xpending(p.settings.names.inbox(p.worker_id), "worker"))["pending"]:
+        assert time.monotonic() < deadline, "an inbox entry stayed unacknowledged"
+        await asyncio.sleep(0.05)
 
 
 async def test_a_record_naming_another_team_is_never_served_answered_or_charged(bus: Bus) -> None:
@@ -112,9 +122,9 @@ async def test_answers_that_cannot_be_delivered_are_dead_lettered_and_the_pool_k
         assert by_id["served"].consumer == p.worker_id
         assert "could not be delivered" in by_id["served"].reason
         assert not p.crashed()
-        # The worker acknowledged the entry (nothing pending to run again) and charged what was used.
-        pending = await p.redis.xpending(names.inbox(p.worker_id), "worker")
-        assert pending["pending"] == 0
+        # The worker acknowledges the entry right after (nothing left pending to run again) and charged
+        # what was used.
+        await wait_acknowledged(p)
         day = await p.redis.keys(names.quota_day("acme", "*"))
         used = json.loads(by_id["served"].payload)["response"]["body"]["usage"]["total_tokens"]
         assert int(await p.redis.get(day[0]) or 0) == used
@@ -139,6 +149,5 @@ async def test_an_unexpected_fault_in_one_request_ends_it_and_the_worker_goes_on
             assert not await p.redis.exists(names.reservation(request.request_id))  # settled
         day = await p.redis.keys(names.quota_day("dev", "*"))
         assert int(await p.redis.get(day[0]) or 0) == 2 * (50 + 3)  # prompt + the 3 tokens each produced
-        pending = await p.redis.xpending(names.inbox(p.worker_id), "worker")
-        assert pending["pending"] == 0
+        await wait_acknowledged(p)
         assert not p.crashed()
