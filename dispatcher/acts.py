@@ -18,20 +18,22 @@ from queue_schemas.deadletter import send_dead_letter
 
 log = structlog.get_logger("sluice.dispatcher")
 
-# KEYS: placement record, cancelled mark, started mark, worker inbox.
+# KEYS: placement record, cancelled mark, worker inbox, replay log.
 # ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new),
-# '1' if a request that started on the lost worker may start again (batch: nobody saw its output).
+# and for a move, how many chunks the replay log held when the move was decided.
+# A move goes ahead only while the lost worker still owns the request and its log is as it was read
+# ('changed' otherwise: the log is read again); the new owner fences the old one out of the log.
 PLACE_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancelled' end
 local owner = redis.call('GET', KEYS[1])
 if ARGV[5] == '' then
   if owner then return 'duplicate' end
 else
-  if ARGV[6] ~= '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 'started' end
   if owner and owner ~= ARGV[5] then return 'duplicate' end
+  if redis.call('HLEN', KEYS[4]) ~= tonumber(ARGV[6]) then return 'changed' end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
 return 'placed'
 """
 
@@ -50,9 +52,9 @@ class Acts:
         self.consumer_id = consumer_id
         self._place = redis.register_script(PLACE_SCRIPT)
 
-    async def place(self, held: Held, decision: Decision) -> str:
+    async def place(self, held: Held, decision: Decision, logged: int = 0) -> str:
         """Record the placement and append the request to the worker's inbox, atomically: 'placed', or
-        'duplicate', 'cancelled' or 'started' (a moved request that already started and may not restart)."""
+        'duplicate', 'cancelled' or 'changed' (a moved request whose log grew since it held `logged`)."""
         request = held.request
         names = self.names
         rid = request.request_id
@@ -61,8 +63,8 @@ class Acts:
             keys=[
                 names.placement(rid),
                 names.cancelled(rid),
-                names.started(rid),
                 names.inbox(decision.worker_id),
+                names.replay(rid),
             ],
             args=[
                 decision.worker_id,
@@ -70,7 +72,7 @@ class Acts:
                 encode(request),
                 self.settings.inbox_max_len,
                 held.moved_from or "",
-                "1" if request.batch is not None else "",
+                logged,
             ],
         )
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)

@@ -27,6 +27,7 @@ class Held:
     order: int = field(default=0)
     not_before: float = 0.0  # epoch seconds; a rate-limited batch request waits until then
     reserved: bool = False  # its quota is reserved (batch requests reserve when a worker is found)
+    taken_over: InferenceRequest | None = None  # moved: the request as it was on the lost worker
 
     @property
     def cost(self) -> int:

@@ -28,3 +28,10 @@ PREFIX_BLOCKS = Counter(
 )
 RECOVERED = Counter("sluice_dispatcher_recovered_total", "Requests moved off a lost worker", ["pool"])
 PAUSED = Gauge("sluice_dispatcher_paused", "1 while the hold is full and partitions are paused", ["pool"])
+MIGRATIONS = Counter(
+    "sluice_dispatcher_migrations_total",
+    "Requests of lost workers, by what became of them: moved (to go on from their delivered tokens), "
+    "restarted (nothing was delivered), ended (their last chunk was out) or refused (they end with "
+    "worker_lost)",
+    ["pool", "outcome"],
+)

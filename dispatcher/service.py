@@ -35,6 +35,7 @@ from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.in_flight import InFlight
+from dispatcher.migration import continuation, progress_of, refusal
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Demand, choose_least_loaded
 from dispatcher.recovery import take_over
@@ -47,6 +48,7 @@ from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
 from queue_schemas.quota import settle
+from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
 from queue_schemas.state import follow_channel
 from queue_schemas.tokenizer import PromptTokenizer
 
@@ -77,6 +79,10 @@ class Dispatcher:
         )
         self.acts = Acts(redis, settings, producer, self.consumer_id)
         pool_config = settings.load_pools().pool(settings.pool)
+        self.block_size = pool_config.block_size
+        self.max_migrations = pool_config.max_migrations
+        self._log_chunk = redis.register_script(CHUNK_SCRIPT)
+        self._redis_failed_at = float("-inf")  # monotonic; lost workers are not recovered right after
         self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self.acts.dead_letter)
         self.view = WorkerView(redis, self.names, settings.pool)
         self.hold = Hold(settings.hold_capacity)
@@ -206,6 +212,12 @@ class Dispatcher:
         self._export_hold()
 
     async def _try_place(self, held: Held) -> bool:
+        logged = 0
+        if held.taken_over is not None:
+            moving = await self._prepare_move(held)
+            if moving is None:
+                return True
+            logged = moving
         request = held.request
         demand = Demand(
             len(request.prompt_token_ids), request.block_hashes, request.sampling.max_tokens, request.priority
@@ -225,8 +237,10 @@ class Dispatcher:
             return True
         if reserved is not Reserve.GO:
             return False
-        outcome = await self.acts.place(held, decision)
+        outcome = await self.acts.place(held, decision, logged)
         if outcome == "placed":
+            if held.taken_over is not None:
+                self._moved(held, decision.worker_id)
             self._finish(held)
             self.hold.charge(request.team, held.cost)
             self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
@@ -235,16 +249,56 @@ class Dispatcher:
             metrics.PREFIX_BLOCKS.labels(self.pool, "prompt").inc(len(request.block_hashes))
             metrics.PREFIX_BLOCKS.labels(self.pool, "matched").inc(decision.matched_blocks)
             return True
+        if outcome == "changed":
+            return False  # the lost worker's log grew meanwhile: read again next round
         metrics.OUTCOMES.labels(self.pool, outcome).inc()
         if outcome == "cancelled":
             await settle(self.redis, self.names, request.request_id, 0)
-        elif outcome == "started":
-            await settle(self.redis, self.names, request.request_id, 0)
-            lost = "the worker serving the request was lost"
-            self._answer_soon(held, partial(self._answer_error, request, ErrorCode.WORKER_LOST, lost))
-            return True
         self._finish(held)
         return True
+
+    def _moved(self, held: Held, worker_id: str) -> None:
+        """Count and log a request of a lost worker placed again: whole, or as its continuation."""
+        resume = held.request.resume
+        fresh = held.request is held.taken_over or resume is None
+        metrics.MIGRATIONS.labels(self.pool, "restarted" if fresh else "moved").inc()
+        log.info(
+            "request of a lost worker placed again",
+            request_id=held.request.request_id, worker=worker_id, moved_from=held.moved_from,
+            delivered_tokens=0 if resume is None or fresh else resume.delivered_tokens,
+        )  # fmt: skip
+
+    async def _prepare_move(self, held: Held) -> int | None:
+        """Ready a request taken over from a lost worker for placement, from what its replay log shows
+        was delivered: the whole request again if nothing was, else its continuation (the client's
+        prompt and the delivered tokens; dispatcher.migration). Returns how many chunks the log held,
+        or None when the request needs no placement: it had ended, or cannot move and is answered
+        with worker_lost."""
+        lost = held.taken_over
+        assert lost is not None
+        events = await read_log(self.redis, self.names, lost.request_id)
+        done = progress_of(events)
+        if done.ended:
+            metrics.MIGRATIONS.labels(self.pool, "ended").inc()
+            self._finish(held)
+            return None
+        if done.next_seq == 0:
+            held.request = lost
+            return 0
+        why = refusal(lost, done, self.max_migrations) if done.token_ids else "the log holds no tokens"
+        if why is not None:
+            metrics.MIGRATIONS.labels(self.pool, "refused").inc()
+            metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
+            log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=why)
+            await settle(
+                self.redis, self.names, lost.request_id, lost.client_prompt_tokens + len(done.token_ids)
+            )
+            message = f"the worker serving the request was lost, and {why}"
+            answer = partial(self._answer_error, lost, ErrorCode.WORKER_LOST, message, done.next_seq)
+            self._answer_soon(held, answer)
+            return None
+        held.request = continuation(lost, done, self.block_size)
+        return done.next_seq
 
     def _finish(self, held: Held) -> None:
         """The request leaves the hold; its record no longer holds its partition's commit back."""
@@ -316,16 +370,22 @@ class Dispatcher:
     async def _view_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                for worker_id in await self.view.refresh():
-                    await self._recover(worker_id)
+                gone = await self.view.refresh()
+                # Right after Redis comes back, heartbeats that lapsed while it was away are being
+                # renewed: a worker is taken for lost only once it had a whole grace period to beat.
+                if time.monotonic() - self._redis_failed_at >= self.settings.recovery_grace_s:
+                    for worker_id in gone:
+                        await self._recover(worker_id)
             except RedisError as exc:
+                self._redis_failed_at = time.monotonic()
                 log.warning("worker view refresh failed", error=str(exc))
             await asyncio.sleep(self.settings.view_refresh_s)
 
     async def _recover(self, worker_id: str) -> None:
         requests = await take_over(self.redis, self.names, self.pool, worker_id)
         for request in requests or ():
-            if self.hold.add(Held(request, None, None, time.monotonic(), moved_from=worker_id)):
+            held = Held(request, None, None, time.monotonic(), moved_from=worker_id, taken_over=request)
+            if self.hold.add(held):
                 metrics.RECOVERED.labels(self.pool).inc()
 
     async def _kv_loop(self, stop: asyncio.Event) -> None:
@@ -355,12 +415,16 @@ class Dispatcher:
             await settle(self.redis, self.names, notice.request_id, 0)
 
     # answers
-    async def _answer_error(self, request: InferenceRequest, code: str, message: str) -> None:
+    async def _answer_error(self, request: InferenceRequest, code: str, message: str, seq: int = 0) -> None:
+        """The request's terminal error: on its reply topic (batch), or logged and streamed as chunk
+        `seq`, the one after what its log holds (0 for a request that never started)."""
         if request.batch is not None:
             await self.batch.answer_error(request, code, message)
             return
-        chunk = ErrorChunk(request_id=request.request_id, seq=0, code=code, message=message)
-        await self.redis.publish(self.names.stream_channel(request.request_id), encode(chunk))
+        chunk = ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
+        ttl = log_ttl_ms(request.deadline, time.time(), terminal=True)
+        keys, args = chunk_args(self.names, chunk, encode(chunk), "", ttl, publish=True)
+        await self._log_chunk(keys=keys, args=args)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -23,6 +23,11 @@ class DispatcherSettings(BusSettings):
     max_misses_per_round: int = Field(
         default=16, gt=0, description="held requests tried per round if none fit"
     )
+    recovery_grace_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="after Redis fails to answer, how long before a missing heartbeat means a lost worker",
+    )
     placement_ttl_s: int = Field(default=24 * 3600, gt=0, description="how long a placement record is kept")
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")

@@ -7,36 +7,47 @@ to `flush_after_s` so a fast decoder does not cost one publish per token.
 from __future__ import annotations
 
 from gpu_workers.engine import EngineOutput
-from queue_schemas.messages import FinalChunk, TokenChunk, Usage
+from queue_schemas.messages import FinalChunk, Resume, TokenChunk, Usage
 
 
 class ChunkCoalescer:
-    def __init__(self, request_id: str, worker_id: str, flush_after_s: float) -> None:
+    """Chunks of one request. A request that moved off a lost worker goes on from its `resume`: the
+    sequence numbers continue, and usage counts the client's prompt once and every output token."""
+
+    def __init__(
+        self, request_id: str, worker_id: str, flush_after_s: float, resume: Resume | None = None
+    ) -> None:
         self.request_id = request_id
         self.worker_id = worker_id
         self.flush_after_s = flush_after_s
-        self.seq = 0
-        self.completion_tokens = 0
+        self.seq = 0 if resume is None else resume.next_seq
+        self.completion_tokens = 0 if resume is None else resume.delivered_tokens
+        self._prompt_tokens = None if resume is None else resume.prompt_tokens
         self._parts: list[str] = []
+        self._tokens: list[int] = []
         self._pending_tokens = 0
         self._last_flush: float | None = None
 
     def add(self, out: EngineOutput, now: float) -> TokenChunk | FinalChunk | None:
         """Take one engine output; return the chunk to publish now, if any."""
         self._parts.append(out.text)
+        self._tokens.extend(out.token_ids)
         self._pending_tokens += out.num_tokens
         self.completion_tokens += out.num_tokens
         if out.finish_reason is not None:
+            prompt_tokens = out.prompt_tokens if self._prompt_tokens is None else self._prompt_tokens
             usage = Usage(
-                prompt_tokens=out.prompt_tokens,
+                prompt_tokens=prompt_tokens,
                 completion_tokens=self.completion_tokens,
-                cached_tokens=out.cached_tokens,
+                # After a move the engine's prompt holds earlier output: only the client's part counts.
+                cached_tokens=min(out.cached_tokens, prompt_tokens),
             )
             final = FinalChunk(
                 request_id=self.request_id,
                 seq=self.seq,
                 text=self._take_text(),
                 num_tokens=self._take_tokens(),
+                token_ids=self._take_ids(),
                 finish_reason=out.finish_reason,
                 usage=usage,
                 worker_id=self.worker_id,
@@ -47,8 +58,9 @@ class ChunkCoalescer:
             return None
         self._last_flush = now
         chunk = TokenChunk(
-            request_id=self.request_id, seq=self.seq, text=self._take_text(), num_tokens=self._take_tokens()
-        )
+            request_id=self.request_id, seq=self.seq, text=self._take_text(),
+            num_tokens=self._take_tokens(), token_ids=self._take_ids(),
+        )  # fmt: skip
         self.seq += 1
         return chunk
 
@@ -57,8 +69,9 @@ class ChunkCoalescer:
         if not self._pending_tokens and not any(self._parts):
             return None
         chunk = TokenChunk(
-            request_id=self.request_id, seq=self.seq, text=self._take_text(), num_tokens=self._take_tokens()
-        )
+            request_id=self.request_id, seq=self.seq, text=self._take_text(),
+            num_tokens=self._take_tokens(), token_ids=self._take_ids(),
+        )  # fmt: skip
         self.seq += 1
         return chunk
 
@@ -66,6 +79,11 @@ class ChunkCoalescer:
         text = "".join(self._parts)
         self._parts.clear()
         return text
+
+    def _take_ids(self) -> tuple[int, ...]:
+        ids = tuple(self._tokens)
+        self._tokens.clear()
+        return ids
 
     def _take_tokens(self) -> int:
         n, self._pending_tokens = self._pending_tokens, 0

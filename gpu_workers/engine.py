@@ -22,6 +22,7 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

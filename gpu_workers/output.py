@@ -1,7 +1,14 @@
 """Where a request's chunks go: streamed to its channel, or, for a batch request, gathered into one answer
-delivered on its reply topic at the end."""
+delivered on its reply topic at the end. Either way every chunk is written to the request's replay log
+(queue_schemas.replay), fenced on its placement, so another worker can take the request over."""
 
 from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from redis.exceptions import RedisError
 
 from queue_schemas.answers import AnswerSink
 from queue_schemas.batch import BatchAnswer, completed_answer, failed_answer
@@ -10,28 +17,48 @@ from queue_schemas.codec import encode
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk
 from queue_schemas.names import Names
 from queue_schemas.publisher import PipelinedPublisher
+from queue_schemas.replay import chunk_args, is_terminal, log_ttl_ms
+
+log = structlog.get_logger("sluice.worker")
 
 ANSWER_ATTEMPTS = 8
 
 
+class Moved(Exception):
+    """The request belongs to another worker now: this one was presumed lost and the request moved."""
+
+
 class RequestOutput:
-    """Where a request's chunks go; a batch request's text is gathered into one answer."""
+    """Where a request's chunks go; a batch request's text is gathered into one answer.
+
+    A chunk that Redis does not take is retried until `outage_s` has passed since the first failure, so
+    a Redis restart pauses the stream instead of ending it (the engine's output waits meanwhile).
+    """
 
     def __init__(
-        self, request: InferenceRequest, publisher: PipelinedPublisher, answers: AnswerSink, names: Names
+        self,
+        request: InferenceRequest,
+        publisher: PipelinedPublisher,
+        answers: AnswerSink,
+        names: Names,
+        worker_id: str,
+        outage_s: float,
     ) -> None:
         self.request = request
         self._publisher = publisher
         self._answers = answers
         self._names = names
-        self._parts: list[str] = []
+        self._worker_id = worker_id
+        self._outage_s = outage_s
+        self._parts: list[str] = [] if request.resume is None else [request.resume.text]
 
     async def emit(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
-        """Stream the chunk to the client's channel; for a batch request, gather it and deliver the whole
-        answer once the chunk ends the request (retried; one that cannot be delivered raises)."""
+        """Log the chunk and stream it to the client's channel; for a batch request, gather it and
+        deliver the whole answer once the chunk ends the request (retried; one that cannot be delivered
+        raises). Raises Moved when another worker owns the request now."""
         request = self.request
+        await self.record(chunk, publish=request.batch is None)
         if request.batch is None:
-            await self._publisher.publish(self._names.stream_channel(request.request_id), encode(chunk))
             return
         answer = self.add(chunk)
         if answer is not None:
@@ -42,6 +69,24 @@ class RequestOutput:
                 "delivering a batch answer",
                 attempts=ANSWER_ATTEMPTS,
             )
+
+    async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
+        ttl = log_ttl_ms(self.request.deadline, time.time(), is_terminal(chunk))
+        keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, publish)
+        give_up = time.monotonic() + self._outage_s
+        delay = 0.05
+        while True:
+            try:
+                written = await self._publisher.run(keys, args)
+                break
+            except (RedisError, OSError) as exc:
+                if time.monotonic() + delay > give_up:
+                    raise
+                log.warning("chunk not written; retrying", request_id=chunk.request_id, error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        if not written:
+            raise Moved(chunk.request_id)
 
     def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:
         """The batch answer once `chunk` ends the request, else None."""

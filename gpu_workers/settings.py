@@ -25,6 +25,9 @@ class WorkerSettings(BusSettings):
     drain_grace_s: float = Field(
         default=1.0, ge=0, description="placements made before dispatchers saw `draining` arrive within this"
     )
+    bus_outage_s: float = Field(
+        default=30.0, gt=0, description="how long a stream waits for Redis to come back before it ends"
+    )
     spec_decoding: bool = Field(default=False, description="start the engine with speculative decoding")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
     state_file: Path | None = Field(

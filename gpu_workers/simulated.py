@@ -25,9 +25,14 @@ _WORDS = (
 )  # fmt: skip
 
 
+def client_prompt(request: InferenceRequest) -> tuple[int, ...]:
+    """The prompt the client sent: a moved request continues the answer to it, not to its own prompt."""
+    return request.prompt_token_ids[: request.client_prompt_tokens]
+
+
 def reply_text(request: InferenceRequest, min_words: int = 12, max_words: int = 40) -> str:
     """The deterministic answer to a prompt: min_words..max_words words picked by a hash of the prompt."""
-    digest = hashlib.sha256(bytes(t % 256 for t in request.prompt_token_ids)).digest()
+    digest = hashlib.sha256(bytes(t % 256 for t in client_prompt(request))).digest()
     n_words = min_words + int.from_bytes(digest[:4], "big") % (max_words - min_words + 1)
     words = [_WORDS[(digest[i % len(digest)] + i * 7) % len(_WORDS)] for i in range(n_words)]
     return " ".join(words).capitalize() + "."
@@ -39,14 +44,16 @@ def structured_text(request: InferenceRequest, words: str) -> str:
     assert structured is not None
     if structured.kind == "json_object" or structured.schema_text is None:
         return json.dumps({"answer": " ".join(words.split()[:6])})
-    seed = int.from_bytes(
-        hashlib.sha256(bytes(t % 256 for t in request.prompt_token_ids)).digest()[:4], "big"
-    )
+    seed = int.from_bytes(hashlib.sha256(bytes(t % 256 for t in client_prompt(request))).digest()[:4], "big")
     try:
-        budget = Budget(request.sampling.max_tokens + 1)  # one character is one token here
+        budget = Budget(client_max_tokens(request) + 1)  # one character is one token here
         return json.dumps(sample(json.loads(structured.schema_text), seed=seed, budget=budget))
     except (UnsupportedSchema, ValueError, KeyError, TypeError) as exc:
         raise EngineError(f"the simulated engine cannot follow this schema: {exc}") from None
+
+
+def client_max_tokens(request: InferenceRequest) -> int:
+    return request.sampling.max_tokens if request.resume is None else request.resume.max_tokens
 
 
 def apply_stops(text: str, max_tokens: int, stops: tuple[str, ...]) -> tuple[str, FinishReason]:
@@ -131,7 +138,9 @@ class SimulatedEngine:
         reply = reply_text(request, self._config.min_words, self._config.max_words)
         if request.sampling.structured is not None:
             reply = structured_text(request, reply)
-        text, reason = apply_stops(reply, request.sampling.max_tokens, request.sampling.stop)
+        text, reason = apply_stops(reply, client_max_tokens(request), request.sampling.stop)
+        if request.resume is not None:  # the answer goes on where the lost worker left it
+            text = text[request.resume.delivered_tokens :]
         self._waiting += 1
         try:
             await self._slots.acquire()
@@ -162,7 +171,8 @@ class SimulatedEngine:
                 self._blocks_used[rid] = self._blocks_for(prompt_tokens + i + 1)
                 self._decoded.append((time.monotonic(), 1))
                 last = i == len(text) - 1
-                yield EngineOutput(ch, 1, reason if last else None, prompt_tokens, cached)
+                token = ch.encode()[0]  # ASCII: one byte, one token
+                yield EngineOutput(ch, 1, reason if last else None, prompt_tokens, cached, (token,))
             if not text:
                 yield EngineOutput("", 0, reason, prompt_tokens, cached)
         finally:

@@ -13,18 +13,22 @@ from pathlib import Path
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import InferenceRequest
 
-# KEYS: cancelled mark, placement record, started mark. ARGV: this worker's id, mark ttl ms, and
-# optionally the stream channel and first chunk to publish with the start.
+# KEYS: cancelled mark, placement record, started mark, replay log. ARGV: this worker's id, mark ttl ms,
+# and optionally the stream channel, the first chunk, its seq and the log's ttl ms.
 # Marks the request started unless it was cancelled, or re-placed on another worker while this one was
-# presumed dead (the dispatcher's recovery moves only requests without a started mark). The first chunk
-# goes out in the same step, so a request that may not start here publishes nothing, and starting costs
-# no round trip of its own.
+# presumed dead (the dispatcher moves a request only once its owner is gone). The first chunk goes out,
+# and into the replay log, in the same step, so a request that may not start here publishes nothing,
+# and starting costs no round trip of its own.
 BEGIN_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 'cancelled' end
 local owner = redis.call('GET', KEYS[2])
 if owner and owner ~= ARGV[1] then return 'moved' end
 redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
-if ARGV[3] then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
+if ARGV[3] then
+  redis.call('HSET', KEYS[4], ARGV[5], ARGV[4])
+  redis.call('PEXPIRE', KEYS[4], ARGV[6])
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
+end
 return 'ok'
 """
 STARTED_MARK_TTL_MS = 24 * 3600 * 1000

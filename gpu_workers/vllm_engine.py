@@ -303,7 +303,8 @@ class VllmEngine:
                 reason = finish_reason(completion.finish_reason) if out.finished else None
                 finished = out.finished
                 cached = int(out.num_cached_tokens or 0)
-                yield EngineOutput(completion.text, len(completion.token_ids), reason, n_prompt, cached)
+                tokens = tuple(completion.token_ids)
+                yield EngineOutput(completion.text, len(tokens), reason, n_prompt, cached, tokens)
         except EngineDeadError as exc:
             self._failure = f"the vLLM engine died: {exc}"
             raise EngineError(self._failure) from None

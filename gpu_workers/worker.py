@@ -21,7 +21,7 @@ from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EarlyStart, Engine, EngineError
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
-from gpu_workers.output import RequestOutput
+from gpu_workers.output import Moved, RequestOutput
 from gpu_workers.presence import (
     CompletionRate,
     Vitals,
@@ -52,6 +52,7 @@ from queue_schemas.messages import (
 )
 from queue_schemas.publisher import PipelinedPublisher
 from queue_schemas.quota import settle
+from queue_schemas.replay import CHUNK_SCRIPT, log_ttl_ms
 from queue_schemas.state import follow_channel, publish_heartbeat
 
 log = structlog.get_logger("sluice.worker")
@@ -59,6 +60,8 @@ log = structlog.get_logger("sluice.worker")
 INBOX_FIELD = b"m"
 KV_PUBLISH_INTERVAL_S = 0.05
 REQUEST_FAULT = "the worker failed while serving this request"
+# The abort reason of requests this worker gives up without answering: a dispatcher moves them on.
+LEAVE: tuple[str, str] = ("", "")
 
 
 class Worker:
@@ -69,7 +72,7 @@ class Worker:
         self.names = settings.names
         self.engine = engine
         self.redis = redis
-        self.publisher = PipelinedPublisher(redis)
+        self.publisher = PipelinedPublisher(redis, CHUNK_SCRIPT)
         self.model = model
         self.max_running = max_running
         self.state = WorkerState.STARTING
@@ -86,7 +89,7 @@ class Worker:
         self.kv = KvPublisher(redis, self.names, settings.worker_id)
         self.error: str | None = None
         self.tensor_parallel_size = 1
-        self._abort_reason = (ErrorCode.CANCELLED, "the request was cancelled")
+        self._abort_reason: tuple[str, str] = (ErrorCode.CANCELLED, "the request was cancelled")
         self._exiting = False  # draining to exit (a stop), not at the scaler's request
         self.answers = AnswerSink(
             redis,
@@ -140,15 +143,17 @@ class Worker:
             await self.engine.close()
 
     async def _fail_worker(self, reason: str) -> None:
-        """The engine cannot serve: say so in the heartbeat, end running requests with an error event.
-        Entries placed here but not started stay in the inbox for a dispatcher to take over."""
+        """The engine cannot serve: say so in the heartbeat and stop. Requests placed here, started or
+        not, stay in the inbox unanswered: a dispatcher moves them to another worker, which goes on from
+        the tokens already delivered."""
         log.error("worker failed", worker=self.settings.worker_id, reason=reason)
         self.state = WorkerState.FAILED
         self.error = reason
         await self._publish_heartbeat_quietly()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks.values()), timeout=2.0)
-        self._abort_reason = (ErrorCode.ENGINE_ERROR, reason)
+        await self._leave_running()
+
+    async def _leave_running(self) -> None:
+        self._abort_reason = LEAVE
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:
@@ -177,7 +182,7 @@ class Worker:
         """Take no new placements; finish what is running and what was already placed here, until a deadline.
 
         The draining heartbeat goes out first; the grace period covers placements made before the
-        dispatchers saw it. Requests still running at the deadline end with an error event.
+        dispatchers saw it. Requests still running at the deadline are left to move to another worker.
         """
         self.state = WorkerState.DRAINING
         self._exiting = True
@@ -199,11 +204,7 @@ class Worker:
             log.warning(
                 "drain deadline reached", running=len(self._tasks), inbox_empty=self._inbox_seen_empty
             )
-        self._abort_reason = (ErrorCode.WORKER_LOST, "the worker shut down before the request finished")
-        for task in list(self._tasks.values()):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks.values()), timeout=2.0)
+        await self._leave_running()  # a dispatcher moves what is left once this worker is gone
 
     def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
@@ -227,10 +228,14 @@ class Worker:
 
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
         """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
-        out = RequestOutput(request, self.publisher, self.answers, self.names)
+        out = RequestOutput(
+            request, self.publisher, self.answers, self.names, self.settings.worker_id,
+            self.settings.bus_outage_s,
+        )  # fmt: skip
         coalescer = ChunkCoalescer(
-            request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000
-        )
+            request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000,
+            request.resume,
+        )  # fmt: skip
         started = False
         pieces: EarlyStart | None = None
 
@@ -260,13 +265,20 @@ class Worker:
                 async for piece in pieces:
                     await self._deliver(out, coalescer.add(piece, time.monotonic()))
         except EngineError as exc:
+            if self.engine.failure() is not None:
+                # The engine is dead, not this request: the worker fails, and a dispatcher moves the
+                # request to another worker from what was delivered.
+                log.warning("engine died; request left for another worker", request_id=request.request_id)
+                return
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
             await self._fail(out, coalescer, produced(), ErrorCode.ENGINE_ERROR, str(exc))
+        except Moved:
+            log.warning("request moved to another worker; stopping here", request_id=request.request_id)
         except asyncio.CancelledError:
-            if request.batch is not None and self._abort_reason[0] != ErrorCode.CANCELLED:
-                # This worker is going away; nobody has seen the output, so a dispatcher places the
-                # entry again (its quota reservation stays for whoever finishes it).
-                log.warning("batch request left for another worker", request_id=request.request_id)
+            if self._abort_reason is LEAVE:
+                # This worker is going away: the entry stays, and a dispatcher moves the request on from
+                # what its log shows was delivered (its quota reservation stays for whoever finishes it).
+                log.warning("request left for another worker", request_id=request.request_id)
                 return
             await self._fail(out, coalescer, produced(), *self._abort_reason)
         except (RedisError, BusUnavailable) as exc:
@@ -306,7 +318,7 @@ class Worker:
             return outcome
         chunk = coalescer.add(first, time.monotonic())
         if request.batch is None and isinstance(chunk, TokenChunk):
-            outcome = await self._begin(request, self.names.stream_channel(request.request_id), encode(chunk))
+            outcome = await self._begin(request, chunk)
         else:
             outcome = await self._begin(request)
             if outcome == "ok":
@@ -322,13 +334,14 @@ class Worker:
         if chunk is not None:
             await out.emit(chunk)
 
-    async def _begin(self, request: InferenceRequest, channel: str = "", first: bytes = b"") -> str:
+    async def _begin(self, request: InferenceRequest, first: TokenChunk | None = None) -> str:
         names = self.names
-        keys = [names.cancelled(request.request_id), names.placement(request.request_id)]
-        keys.append(names.started(request.request_id))
+        rid = request.request_id
+        keys = [names.cancelled(rid), names.placement(rid), names.started(rid), names.replay(rid)]
         args: list[str | bytes | int] = [self.settings.worker_id, STARTED_MARK_TTL_MS]
-        if channel:
-            args += [channel, first]
+        if first is not None:
+            ttl = log_ttl_ms(request.deadline, time.time(), terminal=False)
+            args += [names.stream_channel(rid), encode(first), first.seq, ttl]
         outcome = await self._begin_script(keys=keys, args=args)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
@@ -343,14 +356,14 @@ class Worker:
     ) -> None:
         """Settle what the engine really did (nothing, if it never started), then send the error chunk."""
         request = out.request
-        used = len(request.prompt_token_ids) + coalescer.completion_tokens if started else 0
+        used = request.client_prompt_tokens + coalescer.completion_tokens if started else 0
         await self._settle(request, used)
         pending = coalescer.flush()
         chunk = ErrorChunk(request_id=request.request_id, seq=coalescer.seq, code=code, message=message)
         if request.batch is not None:
             await out.emit(chunk)  # raises only when the broker is down: the entry stays pending
             return
-        with contextlib.suppress(RedisError):
+        with contextlib.suppress(RedisError, Moved):
             if pending is not None:
                 await out.emit(pending)
             await out.emit(chunk)

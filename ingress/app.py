@@ -39,7 +39,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
         redis = redis_client(settings)
         # Its own connection, never renewed silently: a lost one must fail the streams it carried.
         hub_redis = redis_client(settings, retry=False)
-        hub = StreamHub(hub_redis, f"{settings.prefix}:ingress:control")
+        hub = StreamHub(hub_redis, f"{settings.prefix}:ingress:control", settings.stream_outage_s)
         producer = AIOKafkaProducer(**producer_options(settings))
         await with_backoff(
             producer.start,

@@ -21,9 +21,10 @@ from queue_schemas.api_errors import ServiceUnavailable
 from queue_schemas.checks import CheckRunner
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
-from queue_schemas.messages import CancelNotice, InferenceRequest
+from queue_schemas.messages import CancelNotice, InferenceRequest, StreamEvent
 from queue_schemas.quota import settle
 from queue_schemas.quota_gate import QuotaGate
+from queue_schemas.replay import read_log
 from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.ingress")
@@ -44,6 +45,10 @@ class IngressContext:
     pool_gate: PoolGate
     checks: CheckRunner = field(default_factory=CheckRunner)  # schema checks, after the quota gate
     background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def read_log(self, request_id: str, from_seq: int) -> list[StreamEvent]:
+        """The request's replay log from `from_seq` on, to fill a gap in its stream."""
+        return await read_log(self.redis, self.settings.names, request_id, from_seq)
 
     async def release(self, request_id: str) -> None:
         """Give back a reservation for a request that never reached the queue."""

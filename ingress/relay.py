@@ -1,18 +1,23 @@
 """Relay a request's chunks from its Redis channel to the client, as SSE events or one JSON body.
 
-Whatever happens, the client gets exactly one terminal event: a final chunk, or an error.
+Whatever happens, the client gets exactly one terminal event: a final chunk, or an error. Chunks are
+relayed in sequence order, each once: a repeated one is dropped, and a gap (chunks published while the
+pub/sub connection was down) is filled from the request's replay log before the stream goes on.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import structlog
+from redis.exceptions import RedisError
 
-from ingress.streams import HubDisconnected, Subscription
+from ingress.streams import RESYNC, HubDisconnected, Subscription
 from queue_schemas.api_errors import from_bus_error
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.errors import ErrorCode, SchemaError
@@ -26,44 +31,79 @@ from queue_schemas.messages import (
 from queue_schemas.openai_types import ResponseShape
 from queue_schemas.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
 
+log = structlog.get_logger("sluice.ingress.relay")
 
-async def events(sub: Subscription, request: InferenceRequest) -> AsyncIterator[StreamEvent]:
+
+# Reads a request's replay log from a sequence number on: (request id, seq) -> chunks in order.
+LogReader = Callable[[str, int], Awaitable[list[StreamEvent]]]
+
+
+async def events(
+    sub: Subscription, request: InferenceRequest, read_log: LogReader
+) -> AsyncIterator[StreamEvent]:
     """Yield the request's chunks in order; always end with a FinalChunk or an ErrorChunk."""
     expected_seq = 0
+    backlog: deque[StreamEvent] = deque()
     while True:
-        remaining = request.deadline - time.time()
-        try:
-            if remaining <= 0:
-                raise TimeoutError
-            event = decode_stream_event(await sub.next(remaining))
-        except TimeoutError:
-            yield _error(
-                request, expected_seq, ErrorCode.TIMEOUT, "The request did not finish before its deadline."
-            )
-            return
-        except HubDisconnected as exc:
-            yield _error(request, expected_seq, ErrorCode.WORKER_LOST, str(exc))
-            return
-        except SchemaError as exc:
-            yield _error(request, expected_seq, ErrorCode.ENGINE_ERROR, f"undecodable chunk: {exc}")
-            return
+        if backlog:
+            event = backlog.popleft()
+        else:
+            remaining = request.deadline - time.time()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                item = await sub.next(remaining)
+                if item == RESYNC:  # the connection was lost and is back: catch up from the log
+                    backlog.extend(await _catch_up(read_log, request, expected_seq))
+                    continue
+                event = decode_stream_event(item)
+            except TimeoutError:
+                yield _error(
+                    request,
+                    expected_seq,
+                    ErrorCode.TIMEOUT,
+                    "The request did not finish before its deadline.",
+                )
+                return
+            except HubDisconnected as exc:
+                yield _error(request, expected_seq, ErrorCode.WORKER_LOST, str(exc))
+                return
+            except SchemaError as exc:
+                yield _error(request, expected_seq, ErrorCode.ENGINE_ERROR, f"undecodable chunk: {exc}")
+                return
         if isinstance(event, ErrorChunk):
-            # An error ends the stream whatever its seq: a dispatcher that recovers a lost worker's
-            # request does not know how many chunks the client already has.
+            # An error ends the stream whatever its seq: a dispatcher that answers for a lost worker's
+            # request may not know how many chunks the client already has.
             yield event
             return
-        if event.seq != expected_seq:
-            yield _error(
-                request,
-                expected_seq,
-                ErrorCode.WORKER_LOST,
-                f"chunk {event.seq} arrived, {expected_seq} expected",
-            )
-            return
+        if event.seq < expected_seq:
+            continue  # already relayed (seen live and again in the log)
+        if event.seq > expected_seq:
+            missed = await _catch_up(read_log, request, expected_seq)
+            if not missed:
+                yield _error(
+                    request,
+                    expected_seq,
+                    ErrorCode.WORKER_LOST,
+                    f"chunk {event.seq} arrived, {expected_seq} expected, and the log does not have it",
+                )
+                return
+            backlog.extend(missed)
+            backlog.append(event)  # dropped as a repeat if the log held it too
+            continue
         expected_seq += 1
         yield event
         if not isinstance(event, TokenChunk):
             return
+
+
+async def _catch_up(read_log: LogReader, request: InferenceRequest, from_seq: int) -> list[StreamEvent]:
+    """The logged chunks from `from_seq` on; none if the log cannot be read now."""
+    try:
+        return await read_log(request.request_id, from_seq)
+    except (RedisError, OSError) as exc:
+        log.warning("replay log not readable", request_id=request.request_id, error=str(exc))
+        return []
 
 
 def _error(request: InferenceRequest, seq: int, code: str, message: str) -> ErrorChunk:
@@ -130,11 +170,15 @@ class SseFormatter:
 
 
 async def collect(
-    sub: Subscription, request: InferenceRequest, shape: ResponseShape, tool: ToolCallPlan | None = None
+    sub: Subscription,
+    request: InferenceRequest,
+    read_log: LogReader,
+    shape: ResponseShape,
+    tool: ToolCallPlan | None = None,
 ) -> dict[str, Any]:
     """Gather a whole completion for a non-streaming client; raise the translated error on failure."""
     parts: list[str] = []
-    async for event in events(sub, request):
+    async for event in events(sub, request, read_log):
         if isinstance(event, ErrorChunk):
             raise from_bus_error(event.code, event.message)
         parts.append(event.text)

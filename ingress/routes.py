@@ -216,7 +216,7 @@ async def serve(
         stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))
         return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
     try:
-        result = await relay.collect(sub, inference, shape, plan.tool)
+        result = await relay.collect(sub, inference, ctx.read_log, shape, plan.tool)
         REQUESTS.labels(pool.name, "ok").inc()
         return JSONResponse(result, headers=headers)
     except asyncio.CancelledError:
@@ -257,7 +257,7 @@ async def sse_events(
         for payload in fmt.opening():
             yield {"data": payload}
         last = 0.0
-        async for event in relay.events(sub, inference):
+        async for event in relay.events(sub, inference, ctx.read_log):
             now = time.time()
             if event.seq == 0:
                 TTFT.labels(inference.pool).observe(now - inference.created_at)

@@ -1,14 +1,17 @@
 """One Redis pub/sub connection per ingress process, fanned out to per-request subscriptions.
 
 A subscription is confirmed by Redis before `subscribe` returns, so a request is produced to Kafka only
-once its reply channel is live. If the connection drops, every open subscription receives HubDisconnected:
-tokens published meanwhile are lost, so those requests end with an error instead of hanging.
+once its reply channel is live. If the connection drops, the open subscriptions wait: the hub reconnects
+with backoff, subscribes to their channels again, and hands each one RESYNC, so its reader fills what it
+missed from the request's replay log (queue_schemas.replay). A hub that cannot reconnect within
+`outage_s` gives every open subscription HubDisconnected, and those requests end with an error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,6 +22,7 @@ from redis.exceptions import RedisError
 log = structlog.get_logger("sluice.ingress.streams")
 
 SUBSCRIBE_TIMEOUT_S = 5.0
+RESYNC = b""  # handed to a subscription after a reconnect: chunks may have been missed (never a payload)
 
 
 class HubDisconnected(Exception):
@@ -49,8 +53,9 @@ class Subscription:
 
 
 class StreamHub:
-    def __init__(self, redis: aioredis.Redis, control_channel: str) -> None:
+    def __init__(self, redis: aioredis.Redis, control_channel: str, outage_s: float = 30.0) -> None:
         self._redis = redis
+        self._outage_s = outage_s
         self._control = control_channel.encode()
         self._pubsub: PubSub | None = None
         self._subs: dict[bytes, Subscription] = {}
@@ -111,28 +116,49 @@ class StreamHub:
 
     async def _run(self) -> None:
         delay = 0.1
+        lost_at: float | None = None
         while True:
             try:
                 await self._connect()
-                delay = 0.1
+                if lost_at is not None:
+                    log.info("pub/sub connection back", streams=len(self._subs))
+                lost_at, delay = None, 0.1
                 await self._read_forever()
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
                 log.warning("pub/sub connection lost", error=str(exc))
-            self._fail_all(HubDisconnected("pub/sub connection lost; the stream may be incomplete"))
+            self._connected.clear()
+            now = time.monotonic()
+            lost_at = now if lost_at is None else lost_at
+            if now - lost_at >= self._outage_s:
+                self._fail_all(HubDisconnected("pub/sub connection lost; the stream may be incomplete"))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 1.0)
 
     async def _connect(self) -> None:
+        """Connect, subscribe to every open subscription's channel again, and tell each to catch up."""
         self._connected.clear()
         if self._pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
                 await self._pubsub.aclose()  # type: ignore[no-untyped-call]
         self._pubsub = self._redis.pubsub()
         # The control channel keeps the connection subscribed even when no request is open.
-        await self._pubsub.subscribe(self._control)
+        await self._pubsub.subscribe(self._control, *self._subs)
+        # Each confirmation arrives after the server has subscribed that channel, so a catch-up read
+        # of the log that follows it misses nothing published later.
+        pending = {self._control, *self._subs}
+        while pending:
+            msg = await self._pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
+            if msg is None:
+                raise OSError("pub/sub subscriptions were not confirmed")
+            if msg["type"] == "subscribe":
+                pending.discard(msg["channel"])
+            else:
+                self._route(msg)
         self._connected.set()
+        for sub in list(self._subs.values()):
+            sub.deliver(RESYNC)
 
     async def _read_forever(self) -> None:
         assert self._pubsub is not None

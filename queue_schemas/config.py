@@ -118,6 +118,12 @@ class PoolConfig(BaseModel):
         description="admission refuses new requests while the lag (held ones included) reaches this",
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
+    max_migrations: int = Field(
+        default=3,
+        ge=0,
+        description="how many times a request may move to another worker after losing its own; past it "
+        "the request ends with worker_lost",
+    )
     shared_prefix_cache: bool = Field(
         default=False,
         description="let teams reuse each other's cached prefixes (a public system prompt, say); then a "

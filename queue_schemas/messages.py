@@ -87,6 +87,19 @@ class BatchTicket(BaseModel):
     auto: bool = False
 
 
+class Resume(BaseModel):
+    """Where a request moved off a lost worker picks up: its output so far is part of the prompt now."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_tokens: int = Field(ge=1, description="the client's prompt: the leading part of prompt_token_ids")
+    delivered_tokens: int = Field(ge=1, description="output tokens already delivered, after the prompt")
+    next_seq: int = Field(ge=1, description="the sequence number of the next chunk")
+    text: str = Field(default="", description="the output text delivered so far")
+    migrations: int = Field(ge=1, description="how many times the request has moved")
+    max_tokens: int = Field(ge=1, description="the client's max_tokens")
+
+
 class InferenceRequest(Message):
     """One admitted request, produced to requests.<pool> (or batch.<pool>)."""
 
@@ -111,12 +124,28 @@ class InferenceRequest(Message):
         default=None, description="epoch seconds by which an engine must have started it; else it times out"
     )
     deadline: float = Field(description="epoch seconds after which the request is abandoned")
+    resume: Resume | None = Field(default=None, description="set when the request moved off a lost worker")
 
     @model_validator(mode="after")
     def _kafka_reply_needs_ticket(self) -> InferenceRequest:
         if self.reply is ReplyMode.KAFKA and (self.batch is None or not self.reply_topic):
             raise ValueError("reply mode kafka needs a reply_topic and a batch ticket")
         return self
+
+    @model_validator(mode="after")
+    def _resume_fits(self) -> InferenceRequest:
+        resume = self.resume
+        if resume is not None and (
+            resume.prompt_tokens + resume.delivered_tokens != len(self.prompt_token_ids)
+            or resume.delivered_tokens + self.sampling.max_tokens != resume.max_tokens
+        ):
+            raise ValueError("resume does not match the prompt and max_tokens")
+        return self
+
+    @property
+    def client_prompt_tokens(self) -> int:
+        """The prompt the client sent (a moved request's prompt also holds its earlier output)."""
+        return len(self.prompt_token_ids) if self.resume is None else self.resume.prompt_tokens
 
     def start_deadline(self) -> float:
         return self.deadline if self.start_by is None else min(self.start_by, self.deadline)
@@ -142,6 +171,7 @@ class TokenChunk(Message):
     seq: int = Field(ge=0)
     text: str
     num_tokens: int = Field(ge=0)
+    token_ids: tuple[int, ...] = Field(default=(), description="the tokens of `text`, for migration")
 
 
 class FinalChunk(Message):
@@ -152,6 +182,7 @@ class FinalChunk(Message):
     seq: int = Field(ge=0)
     text: str = ""
     num_tokens: int = Field(default=0, ge=0)
+    token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason
     usage: Usage
     worker_id: str

@@ -93,6 +93,10 @@ class Names:
     def placement(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
 
+    def replay(self, request_id: str) -> str:
+        """Hash: seq -> every chunk of the request published so far (see queue_schemas.replay)."""
+        return f"{self.prefix}:replay:{request_id}"
+
     def answered(self, request_id: str) -> str:
         return f"{self.prefix}:answered:{request_id}"
 

@@ -28,15 +28,17 @@ from gpu_workers.worker import Worker
 from infra.keys import create_signing_key
 from infra.launcher import ManagedProcess, spawn
 from queue_schemas.clients import consumer_options, producer_options, redis_client
-from queue_schemas.codec import decode_stream_event
+from queue_schemas.codec import decode, decode_stream_event
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,
+    Heartbeat,
     InferenceRequest,
     SamplingParams,
     StreamEvent,
     TokenChunk,
+    WorkerState,
 )
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
@@ -92,9 +94,11 @@ async def pipeline(
     pool: str = "sim",
     workers: int = 1,
     engine: SimulatedEngineConfig | None = None,
+    engines: list[SimulatedEngineConfig] | None = None,
     **dispatcher_overrides: object,
 ) -> AsyncIterator[Pipeline]:
-    """A dispatcher and `workers` simulated workers for `pool`, under a fresh prefix; stopped on exit."""
+    """A dispatcher and `workers` simulated workers for `pool`, under a fresh prefix; stopped on exit.
+    `engines` gives each worker its own engine settings (and sets how many workers there are)."""
     settings = bus.settings(DispatcherSettings, pool=pool, **dispatcher_overrides)
     assert isinstance(settings, DispatcherSettings)
     names = settings.names
@@ -102,8 +106,8 @@ async def pipeline(
         settings, names.requests_topic(pool), names.batch_topic(pool), names.deadletter_topic()
     )
     redis = redis_client(settings)
-    engine_config = engine or SimulatedEngineConfig(ttft_ms=5, token_ms=1)
-    worker_ids = [f"w{i}" for i in range(workers)]
+    configs = engines or [engine or SimulatedEngineConfig(ttft_ms=5, token_ms=1)] * workers
+    worker_ids = [f"w{i}" for i in range(len(configs))]
     fleet = [
         Worker(
             WorkerSettings(
@@ -114,12 +118,12 @@ async def pipeline(
                     "drain_timeout_s": 5,
                 }
             ),
-            SimulatedEngine(engine_config, block_size=16),
+            SimulatedEngine(config, block_size=16),
             redis,
             "sluice-sim",
-            max_running=engine_config.max_running,
+            max_running=config.max_running,
         )
-        for wid in worker_ids
+        for wid, config in zip(worker_ids, configs, strict=True)
     ]
     consumer = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group(pool)))
     producer = AIOKafkaProducer(**producer_options(settings))
@@ -144,6 +148,16 @@ async def pipeline(
         await consumer.stop()
         await producer.stop()
         await redis.aclose()
+
+
+async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while asyncio.get_running_loop().time() < deadline:
+        raw = await p.redis.get(p.settings.names.heartbeat("sim", worker_id))
+        if raw is not None and decode(Heartbeat, raw).state is state:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{worker_id} never reported {state.value}")
 
 
 class Services:

@@ -10,20 +10,18 @@ from prometheus_client import REGISTRY
 from redis.asyncio.client import PubSub
 
 from gpu_workers.simulated import reply_text
-from queue_schemas.codec import MAX_MESSAGE_BYTES, decode, decode_stream_event, encode
-from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.codec import MAX_MESSAGE_BYTES, decode_stream_event, encode
 from queue_schemas.deadletter import PAYLOAD_LIMIT
 from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,
-    Heartbeat,
     InferenceRequest,
     StreamEvent,
     TokenChunk,
     WorkerState,
 )
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import Pipeline, make_request, pipeline
+from tests.integration.helpers import Pipeline, make_request, pipeline, wait_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -134,36 +132,6 @@ async def test_expired_request_gets_a_timeout_error(bus: Bus) -> None:
         assert len(events) == 1
         assert isinstance(events[0], ErrorChunk)
         assert events[0].code == "timeout"
-
-
-async def test_a_dead_engine_ends_the_request_and_fails_the_worker(bus: Bus) -> None:
-    engine = SimulatedEngineConfig(ttft_ms=5, token_ms=5, die_after_tokens=4)
-    async with pipeline(bus, engine=engine) as p:
-        req = make_request("sim", "req-dead-engine01", max_tokens=40)
-        events = await send_and_collect(p, req)
-        error = events[-1]
-        assert isinstance(error, ErrorChunk), events
-        assert error.code == "engine_error"
-        assert "died" in error.message
-        for _ in range(50):  # the worker reports the failure, then stops by itself
-            raw = await p.redis.get(p.settings.names.heartbeat("sim", p.worker_id))
-            if raw is not None and decode(Heartbeat, raw).state is WorkerState.FAILED:
-                break
-            await asyncio.sleep(0.1)
-        assert raw is not None
-        hb = decode(Heartbeat, raw)
-        assert hb.state is WorkerState.FAILED
-        assert "died" in (hb.error or "")
-
-
-async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while asyncio.get_running_loop().time() < deadline:
-        raw = await p.redis.get(p.settings.names.heartbeat("sim", worker_id))
-        if raw is not None and decode(Heartbeat, raw).state is state:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{worker_id} never reported {state.value}")
 
 
 async def test_a_worker_drains_while_the_scaler_asks_and_is_ready_again_after(bus: Bus) -> None:
