@@ -1,5 +1,7 @@
 """The dispatcher loop of one pool: receive, decide, act, acknowledge.
 
+Its partitions come from leases in Redis (dispatcher.leases), shared with the pool's other dispatchers.
+
 - receive: records from the pool's topic go into the hold (malformed ones to the dead-letter topic);
 - decide: held requests, in priority and fairness order, are offered to the placement function;
 - act: one script records the placement (SET if absent, on the request id) and appends to the worker's
@@ -21,13 +23,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from aiokafka import (
-    AIOKafkaConsumer,
-    AIOKafkaProducer,
-    ConsumerRebalanceListener,
-    ConsumerRecord,
-    TopicPartition,
-)
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from dispatcher import metrics
@@ -35,6 +32,7 @@ from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.in_flight import InFlight
+from dispatcher.leases import Leases, Partition
 from dispatcher.migration import continuation, progress_of, refusal
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Demand, choose_least_loaded
@@ -54,6 +52,7 @@ from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.dispatcher")
 REDIS_PAUSE_S = 0.5  # between placement rounds while Redis does not answer
+PARTITIONS_REFRESH_S = 10.0  # how often the topics' partition lists are read again
 
 
 class Dispatcher:
@@ -93,11 +92,18 @@ class Dispatcher:
         self._background: list[asyncio.Task[None]] = []
         self._unadmitted: list[ConsumerRecord[Any, Any]] = []
         self.in_flight = InFlight()  # batch admissions and answers under way
+        self.leases = Leases(
+            redis, self.names.dispatchers(self.pool), self.names.partition_lease(self.pool),
+            self.consumer_id, settings.lease_ms,
+        )  # fmt: skip
+        self._target: frozenset[Partition] = frozenset()  # the partitions this dispatcher should consume
+        self._releasing: set[Partition] = set()  # stopped consuming; the next lease round gives them up
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.consumer.subscribe([self.topic, self.batch_topic], listener=_Rebalance(self))
+        self.consumer.assign([])
         await self.view.refresh()
         self._background = [
+            asyncio.create_task(self._lease_loop(stop), name="leases"),
             asyncio.create_task(self._view_loop(stop), name="view"),
             asyncio.create_task(self._kv_loop(stop), name="kv-index"),
             asyncio.create_task(follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)),
@@ -109,6 +115,7 @@ class Dispatcher:
         log.info("dispatcher consuming", topics=[self.topic, self.batch_topic])
         try:
             while not stop.is_set():
+                await self._follow_leases()
                 await self._receive()
                 try:
                     await self._place_held()
@@ -125,9 +132,61 @@ class Dispatcher:
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(self._background, timeout=2.0)
             await self.in_flight.settle(timeout_s=5.0)
-            # Requests still held are not committed: the group redelivers them to whoever owns them next.
+            # Requests still held are not committed: whoever leases their partitions next reads them again.
             with contextlib.suppress(Exception):
                 await self._acknowledge()
+            with contextlib.suppress(RedisError):  # hand the leases over now rather than when they lapse
+                await self.leases.round([], set(self._owned()))
+
+    # partitions
+    def _owned(self) -> set[Partition]:
+        return {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+
+    async def _lease_loop(self, stop: asyncio.Event) -> None:
+        """Keep this dispatcher's partition leases: renewed, its share claimed, extras handed back. If
+        renewals keep failing, it stops consuming before its leases can lapse and pass to another."""
+        period = self.settings.lease_ms / 4000
+        partitions: list[Partition] = []
+        last_ok = listed_at = time.monotonic()
+        while not stop.is_set():
+            try:
+                if not partitions or time.monotonic() - listed_at > PARTITIONS_REFRESH_S:
+                    partitions, listed_at = await self._partitions(), time.monotonic()
+                releasing = set(self._releasing)
+                ownership = await self.leases.round(partitions, releasing)
+                self._releasing -= releasing
+                self._target = ownership.held - ownership.over_share - self._releasing
+                last_ok = time.monotonic()
+            except (RedisError, KafkaError, OSError) as exc:
+                if time.monotonic() - last_ok > 2 * period:
+                    log.warning("partition leases not renewed; pausing consumption", error=str(exc))
+                    self._target = frozenset()
+            await asyncio.sleep(period)
+
+    async def _partitions(self) -> list[Partition]:
+        await self.consumer.topics()  # refreshes the metadata
+        found = []
+        for topic in (self.topic, self.batch_topic):
+            found += [(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic) or ())]
+        return found
+
+    async def _follow_leases(self) -> None:
+        """Consume exactly the leased partitions. One given up first commits what is finished and
+        forgets what is held from it (the next holder reads those records again)."""
+        target, owned = self._target, self._owned()
+        if target == owned:
+            return
+        dropped = owned - target
+        if dropped:
+            with contextlib.suppress(Exception):
+                await self._acknowledge()
+            self.revoked(dropped)
+            self._releasing |= dropped
+        self.consumer.assign([TopicPartition(*p) for p in sorted(target)])
+        paused = [TopicPartition(*p) for p in target if p[0] in self._paused]
+        if paused:
+            self.consumer.pause(*paused)
+        log.info("partitions", consuming=sorted(f"{t}:{p}" for t, p in target), gave_up=len(dropped))
 
     # receive
     async def _receive(self) -> None:
@@ -425,20 +484,3 @@ class Dispatcher:
         ttl = log_ttl_ms(request.deadline, time.time(), terminal=True)
         keys, args = chunk_args(self.names, chunk, encode(chunk), "", ttl, publish=True)
         await self._log_chunk(keys=keys, args=args)
-
-
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self._dispatcher = dispatcher
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        d = self._dispatcher
-        mine = {(tp.topic, tp.partition) for tp in revoked}
-        with contextlib.suppress(Exception):
-            await d._acknowledge()  # commit what is finished while we still own the partitions
-        d.revoked(mine)
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        paused = [tp for tp in assigned if tp.topic in self._dispatcher._paused]
-        if paused:
-            self._dispatcher.consumer.pause(*paused)

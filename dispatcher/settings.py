@@ -28,6 +28,11 @@ class DispatcherSettings(BusSettings):
         ge=0,
         description="after Redis fails to answer, how long before a missing heartbeat means a lost worker",
     )
+    lease_ms: int = Field(
+        default=1000,
+        ge=200,
+        description="a partition lease lapses this long after its dispatcher stops renewing it",
+    )
     placement_ttl_s: int = Field(default=24 * 3600, gt=0, description="how long a placement record is kept")
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")

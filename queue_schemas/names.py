@@ -55,6 +55,14 @@ class Names:
     def held(self, pool: str, dispatcher_id: str) -> str:
         return f"{self.prefix}:held:{pool}:{dispatcher_id}"
 
+    def dispatchers(self, pool: str) -> str:
+        """Sorted set: the pool's live dispatchers, scored by when their registration lapses (ms)."""
+        return f"{self.prefix}:dispatchers:{pool}"
+
+    def partition_lease(self, pool: str) -> str:
+        """A format string ({topic}, {partition}) for the lease of one partition (dispatcher.leases)."""
+        return f"{self.prefix}:lease:{pool}:{{topic}}:{{partition}}"
+
     def highwater(self, pool: str) -> str:
         return f"{self.prefix}:highwater:{pool}"
 

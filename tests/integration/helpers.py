@@ -181,9 +181,9 @@ class Services:
         self.logs = tmp / "logs"
         self.procs: dict[str, ManagedProcess] = {}
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "infra.cli", *args]
-        self.procs[name] = spawn(name, argv, self.logs, self.env)
+        self.procs[name] = spawn(name, argv, self.logs, {**self.env, **(env or {})})
 
     def kill9(self, name: str) -> None:
         os.kill(self.procs[name].popen.pid, signal.SIGKILL)

@@ -1,0 +1,134 @@
+"""Which dispatcher consumes which partition: short leases in Redis instead of the Kafka group protocol.
+
+A Kafka consumer group notices a dead member only after its session timeout, then stops every member
+for a rebalance (on the dev broker a join alone takes half the session timeout): a killed dispatcher
+stalled its pool for about eight seconds. Here each partition of the pool's two topics has a lease in
+Redis, held by one dispatcher and renewed every `lease_ms / 4`; it lapses `lease_ms` after its holder
+stops. Every dispatcher of the pool (two by default, both active) keeps a fair share of the partitions
+and claims a lapsed lease at its next round, assigns itself the partition (`consumer.assign`) and
+resumes at the committed offset. A dead dispatcher's partitions pause for about `lease_ms` plus a round;
+the others' do not pause at all.
+
+Offsets are still committed to the pool's consumer group, as a group without members (an OffsetCommit
+with generation -1, which Apache Kafka accepts for a group in the Empty state, and the dev broker
+too), so lag, the scaler and dashboards read them as before. A holder that cannot renew in time stops
+consuming the partition before its lease can lapse; placement is idempotent by request id, so the rare
+overlap of two holders (one stalled past its lease) places nothing twice.
+
+`plan` is the pure decision; `Leases` does the Redis round trips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+Partition = tuple[str, int]
+
+# KEYS: members zset. ARGV: this dispatcher, lease ms. Registers it until now + lease and returns the
+# live members, by the server's clock (so hosts' clocks never matter).
+MEMBERS_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 10)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+# KEYS: lease keys. ARGV: this dispatcher, lease ms, then one action per key: 'renew', 'claim' or
+# 'release'. Returns, per key, 1 if this dispatcher holds it afterwards, else 0.
+LEASE_SCRIPT = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local action = ARGV[i + 2]
+  local owner = redis.call('GET', key)
+  if action == 'release' then
+    if owner == ARGV[1] then redis.call('DEL', key) end
+    out[i] = 0
+  elseif owner == ARGV[1] or (action == 'claim' and not owner) then
+    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class LeasePlan:
+    claim: tuple[Partition, ...]  # held by nobody alive: this dispatcher takes them
+    over_share: tuple[Partition, ...]  # held beyond its share: handed back once their work is committed
+
+
+def fair_share(me: str, live: Sequence[str], partitions: int) -> int:
+    """How many of `partitions` this dispatcher should hold: an even split, the remainder going to the
+    first members in id order, so the shares add up to the partition count."""
+    members = sorted({*live, me})
+    base, extra = divmod(partitions, len(members))
+    return base + (1 if members.index(me) < extra else 0)
+
+
+def plan(
+    partitions: Sequence[Partition], owners: dict[Partition, str | None], me: str, live: Sequence[str]
+) -> LeasePlan:
+    """Per topic: claim partitions nobody alive holds until this dispatcher has its share, and mark
+    what it holds beyond the share. A partition whose holder is gone is free at once; one whose lease
+    lapsed has no holder."""
+    claim: list[Partition] = []
+    over: list[Partition] = []
+    alive = sorted({*live, me})
+    for topic in sorted({t for t, _ in partitions}):
+        ours = sorted(p for p in partitions if p[0] == topic)
+        share = fair_share(me, alive, len(ours))
+        held = [p for p in ours if owners.get(p) == me]
+        over += held[share:]
+        free = [p for p in ours if owners.get(p) not in alive]
+        claim += free[: max(0, share - len(held))]
+    return LeasePlan(tuple(claim), tuple(over))
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    held: frozenset[Partition]  # leased to this dispatcher after the round
+    over_share: frozenset[Partition]  # of those, the ones to hand back
+
+
+class Leases:
+    """The Redis side of partition ownership for one dispatcher."""
+
+    def __init__(
+        self, redis: aioredis.Redis, members_key: str, lease_key: str, me: str, lease_ms: int
+    ) -> None:
+        self._redis = redis
+        self._members_key = members_key
+        self._lease_key = lease_key  # a format string with {topic} and {partition}
+        self.me = me
+        self.lease_ms = lease_ms
+        self._members = redis.register_script(MEMBERS_SCRIPT)
+        self._leases = redis.register_script(LEASE_SCRIPT)
+
+    def key(self, partition: Partition) -> str:
+        return self._lease_key.format(topic=partition[0], partition=partition[1])
+
+    async def round(self, partitions: Sequence[Partition], releasing: set[Partition]) -> Ownership:
+        """Renew what this dispatcher holds, claim its share of what is free, and give up `releasing`
+        (partitions it has stopped consuming, their finished work committed)."""
+        members = await self._members(keys=[self._members_key], args=[self.me, self.lease_ms])
+        live = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+        raw = await self._redis.mget([self.key(p) for p in partitions]) if partitions else []
+        owners = {p: o.decode() if isinstance(o, bytes) else o for p, o in zip(partitions, raw, strict=True)}
+        decided = plan(partitions, owners, self.me, live)
+        actions = [(p, "renew") for p in partitions if owners[p] == self.me and p not in releasing]
+        actions += [(p, "claim") for p in decided.claim if p not in releasing]
+        actions += [(p, "release") for p in releasing]
+        if not actions:
+            return Ownership(frozenset(), frozenset())
+        kept = await self._leases(
+            keys=[self.key(p) for p, _ in actions], args=[self.me, self.lease_ms, *(a for _, a in actions)]
+        )
+        held = frozenset(p for (p, _), k in zip(actions, kept, strict=True) if int(k))
+        return Ownership(held, frozenset(decided.over_share) & held)
