@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -72,7 +73,7 @@ class Dispatcher:
         self.pool = settings.pool
         self.topic = self.names.requests_topic(settings.pool)
         self.batch_topic = self.names.batch_topic(settings.pool)
-        self.consumer_id = f"dispatcher-{random.getrandbits(32):08x}"
+        self.consumer_id = f"dispatcher-{os.getpid()}-{random.getrandbits(16):04x}"
         self.answers = AnswerSink(
             redis, self.names, lambda: producer, started=producer, sender=self.consumer_id
         )

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.json_sample import Budget, UnsupportedSchema, sample
@@ -31,8 +31,13 @@ def client_prompt(request: InferenceRequest) -> tuple[int, ...]:
 
 
 def reply_text(request: InferenceRequest, min_words: int = 12, max_words: int = 40) -> str:
+    """The deterministic answer to a request: the answer to the prompt its client sent."""
+    return answer_to(client_prompt(request), min_words, max_words)
+
+
+def answer_to(prompt_token_ids: Sequence[int], min_words: int = 12, max_words: int = 40) -> str:
     """The deterministic answer to a prompt: min_words..max_words words picked by a hash of the prompt."""
-    digest = hashlib.sha256(bytes(t % 256 for t in client_prompt(request))).digest()
+    digest = hashlib.sha256(bytes(t % 256 for t in prompt_token_ids)).digest()
     n_words = min_words + int.from_bytes(digest[:4], "big") % (max_words - min_words + 1)
     words = [_WORDS[(digest[i % len(digest)] + i * 7) % len(_WORDS)] for i in range(n_words)]
     return " ".join(words).capitalize() + "."

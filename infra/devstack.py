@@ -95,6 +95,9 @@ class DevStack:
     redis_persist: bool = False
     broker_storage: str = "memory://tansu/"
     broker_env: dict[str, str] | None = None
+    # Dispatchers per pool, all active, sharing the pool's partitions by lease (dispatcher.leases): a
+    # killed one's partitions pass to the other in about a second. Named dispatcher-POOL, -POOL-2, ...
+    dispatchers: int = 2
 
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
@@ -134,9 +137,11 @@ class DevStack:
         ingress = spawn("ingress", [*cli, "ingress", "--port", str(port)], self.log_dir, env)
         self.processes.append(ingress)
         for pool in self.config.pools:
-            dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(free_port())}
-            argv = [*cli, "dispatcher", "--pool", pool.name]
-            self.processes.append(spawn(f"dispatcher-{pool.name}", argv, self.log_dir, dispatcher_env))
+            for n in range(1, self.dispatchers + 1):
+                dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(free_port())}
+                argv = [*cli, "dispatcher", "--pool", pool.name]
+                name = f"dispatcher-{pool.name}" + (f"-{n}" if n > 1 else "")
+                self.processes.append(spawn(name, argv, self.log_dir, dispatcher_env))
         # The scaler's local backend starts each pool's workers (and more or fewer later, with load).
         scaler_env = {**env, "SLUICE_BACKEND": "local", "SLUICE_WORKER_LOG_DIR": str(self.log_dir)}
         scaler = spawn("scaler", [*cli, "scaler", "--port", str(scaler_port)], self.log_dir, scaler_env)

@@ -2,7 +2,8 @@
 
 Kinds of ending:
 - ok: one final chunk with a finish_reason, text as long as usage.completion_tokens (the simulated engine
-  spends one token per character, so a duplicated or lost chunk shows), the usage chunk, then [DONE];
+  spends one token per character, so a duplicated or lost chunk shows) and, where the load knows what an
+  uninterrupted run answers, equal to it; the usage chunk, then [DONE];
 - error: exactly one error event and nothing after it;
 - refused / unavailable: not accepted (an HTTP error status, or no connection);
 - cut: accepted, then the connection dropped before a terminal event;
@@ -17,6 +18,7 @@ import collections
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -30,10 +32,26 @@ class Outcome:
     ended: float
     kind: str
     detail: str = ""
+    ttft: float | None = None  # seconds from sending to the first content
 
 
-def classify(lines: list[str]) -> tuple[str, str]:
-    """The ending of one accepted stream from its `data:` payloads, in order; the stream has closed."""
+def classify(lines: list[str], expected: str | None = None) -> tuple[str, str]:
+    """The ending of one accepted stream from its `data:` payloads, in order; the stream has closed.
+    With `expected`, a complete answer must also have exactly that text."""
+    kind, detail = _ending(lines)
+    if kind == "ok" and expected is not None:
+        text = "".join(
+            choice["delta"].get("content") or ""
+            for data in lines
+            if data != "[DONE]"
+            for choice in json.loads(data).get("choices", [])
+        )
+        if text != expected:
+            return "bad", f"text differs from an uninterrupted run: {text!r} != {expected!r}"
+    return kind, detail
+
+
+def _ending(lines: list[str]) -> tuple[str, str]:
     finishes = errors = 0
     text: list[str] = []
     usage: dict[str, int] | None = None
@@ -70,7 +88,16 @@ def classify(lines: list[str]) -> tuple[str, str]:
 
 
 class Load:
-    def __init__(self, url: str, api_key: str, model: str, clients: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        model: str,
+        clients: int,
+        expected: Callable[[str], str] | None = None,
+    ) -> None:
+        """`expected(content)` is what an uninterrupted run answers to a user message, if known."""
+        self._expected = expected
         self._url = url + "/v1/chat/completions"
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._model = model
@@ -108,23 +135,27 @@ class Load:
         n = 0
         while not self._stop.is_set():
             started = time.time()
+            first: list[float] = []
             try:
-                kind, detail = await asyncio.wait_for(self._one(client, f"{k}-{n}"), REQUEST_LIMIT_S)
+                kind, detail = await asyncio.wait_for(self._one(client, f"{k}-{n}", first), REQUEST_LIMIT_S)
             except TimeoutError:
                 kind, detail = "hung", f"no terminal event within {REQUEST_LIMIT_S:.0f} s"
+            ttft = first[0] - started if first else None
             with self._lock:
-                self._outcomes.append(Outcome(started, time.time(), kind, detail))
+                self._outcomes.append(Outcome(started, time.time(), kind, detail, ttft))
             if kind in ("refused", "unavailable"):
                 await asyncio.sleep(0.2)  # a client backing off while the service is down
             n += 1
 
-    async def _one(self, client: httpx.AsyncClient, tag: str) -> tuple[str, str]:
+    async def _one(self, client: httpx.AsyncClient, tag: str, first: list[float]) -> tuple[str, str]:
+        content = f"chaos request {tag}"
         body = {
             "model": self._model,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": f"chaos request {tag}"}],
+            "messages": [{"role": "user", "content": content}],
         }
+        expected = self._expected(content) if self._expected is not None else None
         lines: list[str] = []
         try:
             async with client.stream("POST", self._url, json=body, headers=self._headers) as response:
@@ -134,8 +165,10 @@ class Load:
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             lines.append(line.removeprefix("data: "))
+                            if not first and '"content":"' in line and '"content":""' not in line:
+                                first.append(time.time())
                 except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-                    kind, detail = classify(lines)
+                    kind, detail = classify(lines, expected)
                     return (
                         ("cut", f"{type(exc).__name__} after {len(lines)} events")
                         if kind == "cut"
@@ -143,4 +176,4 @@ class Load:
                     )
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             return "unavailable", type(exc).__name__
-        return classify(lines)
+        return classify(lines, expected)

@@ -1,14 +1,17 @@
 """Chaos: under a steady load of streamed requests, each service is killed (-9) in turn and Redis is
 restarted; on a second stack the broker is killed and restarted on its durable storage (Tansu's S3
-engine against a loopback object store). The test restarts what it stopped, as a supervisor would.
-Redis keeps an append-only file, so keys, teams and quotas outlive its restart.
+engine against a loopback object store). The test restarts what it stopped, as a supervisor would,
+except a killed worker, which the scaler replaces. Redis keeps an append-only file, so keys, teams,
+quotas and the streams' replay logs outlive its restart.
 
-For every request the ingress accepted (HTTP 200), the client must see exactly one terminal event: the
-final chunk of a complete answer (its text as long as its usage says) or an error event, never both, never
-two, never none. The one exception is killing the ingress itself: its open streams are cut, and the client
-sees the connection drop. After each fault the services must find each other again by themselves; the
-time from the fault until a request sent after it succeeds is the recovery time, printed and kept in
-test-artifacts/chaos.json.
+Worker, dispatcher, scaler and Redis faults must not show at all: every request accepted before, during
+or after them ends with its complete answer, the very text an uninterrupted run gives (the simulated
+engine's answer to its prompt), with one final chunk and usage. A request may be refused (503 while
+Redis is away) but never accepted and then failed. Killing the ingress cuts its own open streams and
+nothing else. After each fault every service must be running again; the recovery time runs to the
+point where the system is whole again (the killed worker's replacement ready, the killed dispatcher's
+partitions leased again, the restarted service answering), and is kept in test-artifacts/chaos.json with
+the TTFT of requests that arrived during the fault.
 """
 
 from __future__ import annotations
@@ -24,15 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import httpx
 import pytest
+import redis as sync_redis
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
 from infra.keys import set_reply_prefixes
 from infra.launcher import free_port, start_object_store
 from queue_schemas.clients import redis_client
-from queue_schemas.codec import encode
+from queue_schemas.codec import decode, encode
+from queue_schemas.messages import Heartbeat
+from queue_schemas.openai_types import ChatMessage
 from queue_schemas.settings import BusSettings
+from queue_schemas.tokenizer import ByteTokenizer
 from tests.chaos.load import Load, Outcome
 from tests.integration.helpers import (
     chat,
@@ -48,18 +57,19 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
 ARTIFACTS = Path(os.environ.get("SLUICE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
 RECOVERY_LIMIT_S = 60.0
-SETTLE_S = 3.0
+MIN_WORDS = 8
+MAX_TOKENS = 200
 
-POOLS = """
+POOLS = f"""
 [[pools]]
 name = "sim"
 model = "sluice-sim"
-default_max_tokens = 200
+default_max_tokens = {MAX_TOKENS}
 [pools.simulated]
 ttft_ms = 5
 token_ms = 8
-min_words = 8
-max_words = 8
+min_words = {MIN_WORDS}
+max_words = {MIN_WORDS}
 [pools.scaling]
 min_replicas = 2
 max_replicas = 2
@@ -122,50 +132,146 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def kill_a_worker(dev: DevStack) -> None:
-    workers = children(dev.process("scaler").popen.pid)
-    assert workers, "the scaler's workers are running"
-    os.kill(workers[0], signal.SIGKILL)
-
-
 def recovered_at(outcomes: list[Outcome], since: float) -> float | None:
     """When the first request sent after `since` ended with a complete answer."""
     ends = [o.ended for o in outcomes if o.started > since and o.kind == "ok"]
     return min(ends) if ends else None
 
 
+class Probe:
+    """What the test reads of the stack's state in Redis and over HTTP, to know when a fault is over."""
+
+    def __init__(self, dev: DevStack, endpoints: Endpoints) -> None:
+        self.dev = dev
+        self.endpoints = endpoints
+        self.names = BusSettings(
+            kafka_bootstrap=endpoints.kafka_bootstrap, redis_url=endpoints.redis_url
+        ).names
+
+    def _redis(self) -> Any:
+        return sync_redis.Redis.from_url(self.endpoints.redis_url, socket_timeout=1, socket_connect_timeout=1)
+
+    def ready_workers(self) -> set[str]:
+        client = self._redis()
+        try:
+            ids = sorted(m.decode() for m in client.smembers(self.names.workers("sim")))
+            raws = client.mget([self.names.heartbeat("sim", w) for w in ids]) if ids else []
+        finally:
+            client.close()
+        return {
+            w for w, raw in zip(ids, raws, strict=True) if raw and decode(Heartbeat, raw).state == "ready"
+        }
+
+    def lease_owners(self) -> list[str | None]:
+        lease = self.names.partition_lease("sim")
+        keys = [
+            lease.format(topic=topic, partition=p)
+            for topic in (self.names.requests_topic("sim"), self.names.batch_topic("sim"))
+            for p in range(4)
+        ]
+        client = self._redis()
+        try:
+            return [o.decode() if o else None for o in client.mget(keys)]
+        finally:
+            client.close()
+
+    def answers(self, url: str) -> bool:
+        try:
+            return httpx.get(url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def whole(self) -> bool:
+        """Every process running, both workers ready, every partition leased to a live dispatcher."""
+        try:
+            alive = all(p.alive for p in self.dev.processes)
+            owners = self.lease_owners()
+            return (
+                alive
+                and len(self.ready_workers()) == 2
+                and None not in owners
+                and self.answers(self.endpoints.url)
+            )
+        except (sync_redis.RedisError, OSError):
+            return False
+
+
+def kill_a_worker(dev: DevStack, probe: Probe) -> Callable[[], bool]:
+    """Kill one of the scaler's workers; over when a new worker is ready in its place."""
+    before = probe.ready_workers()
+    workers = children(dev.process("scaler").popen.pid)
+    assert workers, "the scaler's workers are running"
+    os.kill(workers[0], signal.SIGKILL)
+    return lambda: probe.whole() and not probe.ready_workers() <= before
+
+
+def kill_a_dispatcher(dev: DevStack, probe: Probe) -> Callable[[], bool]:
+    """Kill one of the pool's dispatchers and start it again; over when no partition is leased to it."""
+    pid = dev.process("dispatcher-sim").popen.pid
+    dev.restart("dispatcher-sim")
+    dead = f"dispatcher-{pid}-"
+    return lambda: probe.whole() and not any(o and o.startswith(dead) for o in probe.lease_owners())
+
+
+def restart(dev: DevStack, probe: Probe, name: str, **how: Any) -> Callable[[], bool]:
+    dev.restart(name, **how)
+    return probe.whole
+
+
 def exercise(
-    dev: DevStack, endpoints: Endpoints, faults: list[tuple[str, Callable[[], object]]], clients: int
+    dev: DevStack,
+    endpoints: Endpoints,
+    faults: list[tuple[str, Callable[[], Callable[[], bool]]]],
+    clients: int,
+    expected: Callable[[str], str] | None = None,
 ) -> tuple[dict[str, dict[str, object]], dict[str, float], list[Outcome]]:
-    """Run the load through each fault in turn: (report per fault, when each struck, every outcome)."""
-    load = Load(endpoints.url, endpoints.api_key, "sluice-sim", clients=clients)
+    """Run the load through each fault in turn: (report per fault, when each struck, every outcome).
+
+    A fault is over when its check says the stack is whole again, and then once `clients` requests sent
+    after that have ended; the next fault follows."""
+    load = Load(endpoints.url, endpoints.api_key, "sluice-sim", clients=clients, expected=expected)
     load.start()
     report: dict[str, dict[str, object]] = {}
     struck: dict[str, float] = {}
     try:
-        time.sleep(SETTLE_S)
-        assert recovered_at(load.outcomes(), 0.0) is not None, "the load runs before any fault"
+        wait_for(lambda: len([o for o in load.outcomes() if o.kind == "ok"]) >= 3 * clients, "the load runs")
         for name, inject in faults:
             at = struck[name] = time.time()
-            inject()
-            deadline = at + RECOVERY_LIMIT_S
-            while (back := recovered_at(load.outcomes(), at)) is None and time.time() < deadline:
-                time.sleep(0.1)
-            assert back is not None, (
-                f"no request succeeded within {RECOVERY_LIMIT_S:.0f} s of the {name} fault"
+            over = inject()
+            wait_for(over, f"the stack whole again after the {name} fault")
+            whole = time.time()
+            wait_for(
+                lambda: sum(1 for o in load.outcomes() if o.started > whole) >= clients,  # noqa: B023
+                f"requests sent after the {name} fault ended",
             )
-            time.sleep(SETTLE_S)
             now = time.time()
             seen = load.outcomes()
+            during = [o.ttft for o in seen if at <= o.started <= whole and o.ttft is not None]
             report[name] = {
-                "recovery_s": round(back - at, 2),
+                "recovery_s": round(whole - at, 2),
                 "in_flight": Load.tally([o for o in seen if o.started < at <= o.ended]),
                 "sent_after": Load.tally([o for o in seen if at <= o.started < now]),
-                "errors": sorted({o.detail for o in seen if o.kind == "error" and o.ended >= at}),
+                "errors": sorted({o.detail for o in seen if o.kind not in ("ok",) and o.ended >= at}),
+                "ttft_p99_during_s": round(percentile(during, 99), 3) if during else None,
             }
     finally:
         outcomes = load.stop()
+    before = [o.ttft for o in outcomes if o.ttft is not None and o.started < min(struck.values(), default=0)]
+    for row in report.values():
+        row["ttft_p99_before_s"] = round(percentile(before, 99), 3) if before else None
     return report, struck, outcomes
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + RECOVERY_LIMIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {RECOVERY_LIMIT_S:.0f} s: {what}"
+        time.sleep(0.05)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
 
 
 def keep(name: str, report: dict[str, dict[str, object]], outcomes: list[Outcome]) -> None:
@@ -173,10 +279,14 @@ def keep(name: str, report: dict[str, dict[str, object]], outcomes: list[Outcome
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     body = {"faults": report, "all": Load.tally(outcomes)}
     (ARTIFACTS / f"{name}.json").write_text(json.dumps(body, indent=2))
-    print("\nfault       recovery s  requests in flight at the fault / sent after it, by ending")
+    print(
+        "\nfault       recovery s  TTFT p99 during (before)  in flight at the fault / sent after, by ending"
+    )
     for fault, row in report.items():
+        ttft = f"{row['ttft_p99_during_s']} ({row['ttft_p99_before_s']})"
         print(
-            f"{fault:<11} {row['recovery_s']:>10}  {row['in_flight']} / {row['sent_after']}  {row['errors']}"
+            f"{fault:<11} {row['recovery_s']:>10}  {ttft:>24}  {row['in_flight']} / {row['sent_after']}"
+            f"  {row['errors']}"
         )
 
 
@@ -199,20 +309,34 @@ def assert_each_ended_once(outcomes: list[Outcome], cut_at: float | None = None)
         assert all(o.started <= cut_at <= o.ended <= cut_at + 5 for o in cut), cut[:5]
 
 
-def test_every_accepted_request_ends_once_through_every_service_fault(
+def sim_answer(content: str) -> str:
+    """What the chaos pool's simulated engine answers to one user message, uninterrupted."""
+    prompt = ByteTokenizer().encode_chat([ChatMessage(role="user", content=content)])
+    return apply_stops(answer_to(prompt, MIN_WORDS, MIN_WORDS), MAX_TOKENS, ())[0]
+
+
+def test_no_accepted_request_fails_through_worker_dispatcher_scaler_and_redis_faults(
     stack: tuple[DevStack, Endpoints],
 ) -> None:
     dev, endpoints = stack
-    faults: list[tuple[str, Callable[[], object]]] = [
-        ("worker", lambda: kill_a_worker(dev)),
-        ("dispatcher", lambda: dev.restart("dispatcher-sim")),
-        ("ingress", lambda: dev.restart("ingress")),
-        ("scaler", lambda: dev.restart("scaler")),
-        ("redis", lambda: dev.restart("redis", kill=False, down_s=1.0)),
+    probe = Probe(dev, endpoints)
+    faults: list[tuple[str, Callable[[], Callable[[], bool]]]] = [
+        ("worker", lambda: kill_a_worker(dev, probe)),
+        ("dispatcher", lambda: kill_a_dispatcher(dev, probe)),
+        ("scaler", lambda: restart(dev, probe, "scaler")),
+        ("redis", lambda: restart(dev, probe, "redis", kill=False, down_s=1.0)),
+        ("ingress", lambda: restart(dev, probe, "ingress")),
     ]
-    report, struck, outcomes = exercise(dev, endpoints, faults, clients=6)
+    report, struck, outcomes = exercise(dev, endpoints, faults, clients=6, expected=sim_answer)
     keep("chaos", report, outcomes)
+    assert_all_running(dev)
     assert_each_ended_once(outcomes, cut_at=struck["ingress"])
+    accepted_and_failed = [o for o in outcomes if o.kind not in ("ok", "refused", "unavailable", "cut")]
+    assert not accepted_and_failed, accepted_and_failed[:5]
+    before_ingress = [o for o in outcomes if o.started < struck["ingress"]]
+    assert all(o.kind in ("ok", "refused") for o in before_ingress), [
+        o for o in before_ingress if o.kind != "ok"
+    ][:5]
     assert sum(1 for o in outcomes if o.kind == "ok") > 100, "the load kept flowing between the faults"
 
 
@@ -220,7 +344,10 @@ def test_every_accepted_request_ends_once_through_a_broker_restart(
     durable_stack: tuple[DevStack, Endpoints],
 ) -> None:
     dev, endpoints = durable_stack
-    faults: list[tuple[str, Callable[[], object]]] = [("broker", lambda: dev.restart("broker", down_s=1.0))]
+    probe = Probe(dev, endpoints)
+    faults: list[tuple[str, Callable[[], Callable[[], bool]]]] = [
+        ("broker", lambda: restart(dev, probe, "broker", down_s=1.0))
+    ]
     report, _, outcomes = exercise(dev, endpoints, faults, clients=3)
     keep("chaos-broker", report, outcomes)
     assert_each_ended_once(outcomes)

@@ -108,11 +108,12 @@ def _wait_for_stack(proc: subprocess.Popen[str], workdir: Path, stderr_path: Pat
 
 
 def test_the_stack_runs_every_service(dev_run: DevRun) -> None:
-    wanted = {"broker", "redis", "ingress", "dispatcher-smollm2", "dispatcher-sim", "scaler"}
+    wanted = {"broker", "redis", "ingress", "scaler"}
+    wanted |= {f"dispatcher-{pool}{n}" for pool in ("smollm2", "sim") for n in ("", "-2")}
     assert wanted <= set(dev_run.pids)
     assert dev_run.env["SLUICE_API_KEY"].startswith("sk-sluice-")
-    # ingress, two dispatchers, the scaler and the two workers it started (vLLM's own processes beside)
-    assert len(processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])) >= 6
+    # ingress, two dispatchers per pool, the scaler and the two workers it started (vLLM's own beside)
+    assert len(processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])) >= 8
 
 
 def test_the_printed_curl_streams_from_smollm2(dev_run: DevRun) -> None:

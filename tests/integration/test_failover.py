@@ -55,6 +55,21 @@ async def leased(redis: aioredis.Redis, settings: BusSettings, dispatchers: int)
     raise TimeoutError(f"partitions not leased to {dispatchers} dispatchers: {owners}")
 
 
+async def streaming_on(
+    redis: aioredis.Redis, settings: BusSettings, worker: str, request_ids: list[str]
+) -> None:
+    """Until a request placed on `worker` has sent two chunks."""
+    names = settings.names
+    for _ in range(400):
+        owners = await redis.mget([names.placement(r) for r in request_ids])
+        mine = [r for r, o in zip(request_ids, owners, strict=True) if o == worker.encode()]
+        for rid in mine:
+            if await redis.hlen(names.replay(rid)) >= 2:
+                return
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"nothing streamed from {worker}")
+
+
 def scrape(port: int, name: str, labels: str) -> float:
     """One counter's value from a service's /metrics."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -101,6 +116,10 @@ async def run_load(
     for i, req in enumerate(requests):
         await producer.send_and_wait(settings.names.requests_topic("sim"), encode(req), key=str(i).encode())
         if i == count // 3:
+            if kill.startswith("worker"):  # mid-stream: once it has sent part of an answer
+                await streaming_on(
+                    redis, settings, f"w{kill.split('-')[1]}", [r.request_id for r in requests]
+                )
             services.kill9(kill)
         await asyncio.sleep(0.01)
     await producer.stop()

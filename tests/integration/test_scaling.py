@@ -71,6 +71,9 @@ async def test_burst_scales_up_drains_then_scales_down_by_draining(bus: Bus, tmp
     await create_topics(settings, names.requests_topic("sim"), names.deadletter_topic(), partitions=2)
     services = Services(settings, tmp_path, POOL_FILE)
     services.env.update(SLUICE_BACKEND="local", SLUICE_WORKER_LOG_DIR=str(services.logs), SLUICE_TICK_S="0.3")
+    # A worker queues at most two beyond what it runs, so the backlog waits in the dispatcher and Kafka
+    # (where the scaler sees it) rather than in the first worker's inbox.
+    services.env["SLUICE_MAX_QUEUE"] = "2"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     redis = redis_client(settings)
