@@ -300,7 +300,7 @@ class Dispatcher:
         outcome = await self.acts.place(held, decision, logged)
         if outcome == "placed":
             if held.taken_over is not None:
-                self._moved(held, decision.worker_id)
+                await self._count_move(self._moved(held, decision.worker_id))
             self._finish(held)
             self.hold.charge(request.team, held.cost)
             self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
@@ -317,16 +317,22 @@ class Dispatcher:
         self._finish(held)
         return True
 
-    def _moved(self, held: Held, worker_id: str) -> None:
-        """Count and log a request of a lost worker placed again: whole, or as its continuation."""
+    def _moved(self, held: Held, worker_id: str) -> str:
+        """Log a request of a lost worker placed again: 'restarted' whole, or 'moved' as its continuation."""
         resume = held.request.resume
         fresh = held.request is held.taken_over or resume is None
-        metrics.MIGRATIONS.labels(self.pool, "restarted" if fresh else "moved").inc()
         log.info(
             "request of a lost worker placed again",
             request_id=held.request.request_id, worker=worker_id, moved_from=held.moved_from,
             delivered_tokens=0 if resume is None or fresh else resume.delivered_tokens,
         )  # fmt: skip
+        return "restarted" if fresh else "moved"
+
+    async def _count_move(self, outcome: str) -> None:
+        """In this process's metrics, and in Redis for the scaler's dashboard (all dispatchers summed)."""
+        metrics.MIGRATIONS.labels(self.pool, outcome).inc()
+        with contextlib.suppress(RedisError):
+            await self.redis.hincrby(self.names.migrations(self.pool), outcome, 1)
 
     async def _prepare_move(self, held: Held) -> int | None:
         """Ready a request taken over from a lost worker for placement, from what its replay log shows
@@ -339,7 +345,7 @@ class Dispatcher:
         events = await read_log(self.redis, self.names, lost.request_id)
         done = progress_of(events)
         if done.ended:
-            metrics.MIGRATIONS.labels(self.pool, "ended").inc()
+            await self._count_move("ended")
             self._finish(held)
             return None
         if done.next_seq == 0:
@@ -347,7 +353,7 @@ class Dispatcher:
             return 0
         why = refusal(lost, done, self.max_migrations) if done.token_ids else "the log holds no tokens"
         if why is not None:
-            metrics.MIGRATIONS.labels(self.pool, "refused").inc()
+            await self._count_move("refused")
             metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
             log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=why)
             await settle(

@@ -63,6 +63,10 @@ class Names:
         """A format string ({topic}, {partition}) for the lease of one partition (dispatcher.leases)."""
         return f"{self.prefix}:lease:{pool}:{{topic}}:{{partition}}"
 
+    def migrations(self, pool: str) -> str:
+        """Hash: outcome -> how many requests of the pool's lost workers ended so (see dispatcher.metrics)."""
+        return f"{self.prefix}:migrations:{pool}"
+
     def highwater(self, pool: str) -> str:
         return f"{self.prefix}:highwater:{pool}"
 

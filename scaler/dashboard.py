@@ -68,6 +68,7 @@ def report_body(report: PoolReport) -> dict[str, Any]:
         "startup_s": round(s.startup_s, 1),
         "decision": {"action": v.action, "target": v.target, "reason": v.reason},
         "spec_decoding": report.spec_decoding,
+        "migrations": dict(sorted(report.migrations.items())),
         "read_at": report.lag.read_at,
     }
 

@@ -110,6 +110,7 @@ class PoolReport:
     spec_decoding: bool
     workers: list[Heartbeat] = field(default_factory=list)
     batch_lag: PoolLag | None = None  # shown to people; scaling answers to interactive demand only
+    migrations: dict[str, int] = field(default_factory=dict)  # lost workers' requests, by outcome
 
     @property
     def completion_rate(self) -> float:
@@ -247,9 +248,11 @@ class Scaler:
                 "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason
             )
         # export
+        moves = await self.redis.hgetall(self.names.migrations(name))
         report = PoolReport(
-            lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, beats, batch_lag
-        )
+            lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, beats, batch_lag,
+            {k.decode() if isinstance(k, bytes) else str(k): int(v) for k, v in moves.items()},
+        )  # fmt: skip
         self.reports[name] = report
         self.history.setdefault(name, deque(maxlen=HISTORY_POINTS)).append(sample_of(report, now))
         self._export(name, report, c)

@@ -128,6 +128,7 @@ def test_dashboard_shows_lag_and_replicas_change_under_a_backlog(
     assert figure(browser, "slow", "lag") == "0"
     assert figure(browser, "slow", "status") == "OK"
     assert figure(browser, "slow", "batch-lag") == "0"
+    assert figure(browser, "slow", "moved") == "0", "no worker was lost"
     assert figure(browser, "slow", "span").startswith("since ")  # the chart's time span
     rows = browser.find_elements(By.CSS_SELECTOR, 'section[data-pool="slow"] tr[data-worker]')
     assert [r.get_attribute("data-worker") for r in rows] == ["slow-w0"]

@@ -25,7 +25,8 @@ def report(lag: int, ready: int, workers: int = 2) -> PoolReport:
     verdict = Verdict("up", ready + 2, ready + 2, 3.0, "forecast above capacity")
     lag_read = PoolLag("chat", "requests.chat", "dispatch.chat", {0: lag}, 999.5)
     batch = PoolLag("chat", "batch.chat", "dispatch.chat", {0: 4, 1: 3}, 999.5)
-    return PoolReport(lag_read, Status.WARN, {0: Status.WARN}, signals, verdict, 5, True, beats, batch)
+    moves = {"moved": 3, "refused": 1}
+    return PoolReport(lag_read, Status.WARN, {0: Status.WARN}, signals, verdict, 5, True, beats, batch, moves)
 
 
 def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
@@ -41,6 +42,7 @@ def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
     assert pool["completion_rate"] == 3.0  # two workers at 1.5/s
     assert pool["replicas"] == {"ready": 2, "starting": 1, "draining": 0, "desired": 4}
     assert pool["spec_decoding"] is True
+    assert pool["migrations"] == {"moved": 3, "refused": 1}
     assert [s["lag"] for s in pool["history"]] == [0, 12]
     assert pool["history"][1] == {
         "t": 1000.0, "lag": 12, "batch_lag": 7, "backlog": 17, "arrival": 2.5, "completion": 3.0,

@@ -122,7 +122,13 @@ def test_compose_has_a_dispatcher_and_a_gpu_worker_per_pool() -> None:
 def test_prometheus_scrapes_every_compose_service_on_its_port() -> None:
     services = compose()["services"]
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    jobs = config["scrape_configs"]
+    targets = {t for job in jobs for sc in job.get("static_configs", []) for t in sc["targets"]}
+    # A service with several replicas is found by DNS (every replica's address), on its port.
+    targets |= {
+        f"{n}:{sd['port']}" for job in jobs for sd in job.get("dns_sd_configs", []) for n in sd["names"]
+    }
+    by_dns = {n for job in jobs for sd in job.get("dns_sd_configs", []) for n in sd["names"]}
     expected = set()
     for name, svc in services.items():
         env = svc.get("environment", {})
@@ -130,6 +136,9 @@ def test_prometheus_scrapes_every_compose_service_on_its_port() -> None:
         port = env.get("SLUICE_METRICS_PORT") or http_port
         if port:
             expected.add(f"{name}:{port}")
+        replicas = svc.get("deploy", {}).get("replicas", 1)
+        if replicas > 1 or name.startswith("worker-"):  # workers are scaled with --scale
+            assert name in by_dns, f"{name} runs several replicas: scrape each one"
     assert targets == expected
 
 
