@@ -34,7 +34,6 @@ from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.in_flight import InFlight
 from dispatcher.leases import Leases, Partition
-from dispatcher.migration import continuation, progress_of, refusal
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Demand, choose_least_loaded
 from dispatcher.recovery import take_over
@@ -46,6 +45,7 @@ from queue_schemas.clients import BusUnavailable
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
+from queue_schemas.migration import continuation, progress_of, refusal
 from queue_schemas.quota import settle
 from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
 from queue_schemas.state import follow_channel
@@ -337,7 +337,7 @@ class Dispatcher:
     async def _prepare_move(self, held: Held) -> int | None:
         """Ready a request taken over from a lost worker for placement, from what its replay log shows
         was delivered: the whole request again if nothing was, else its continuation (the client's
-        prompt and the delivered tokens; dispatcher.migration). Returns how many chunks the log held,
+        prompt and the delivered tokens; queue_schemas.migration). Returns how many chunks the log held,
         or None when the request needs no placement: it had ended, or cannot move and is answered
         with worker_lost."""
         lost = held.taken_over

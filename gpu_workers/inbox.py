@@ -42,6 +42,11 @@ class Inbox:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    @property
+    def reading_history(self) -> bool:
+        """Whether the next read returns entries an earlier process with this worker id was given."""
+        return self._cursor != ">"
+
     async def read(self, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` entries: first our own unacknowledged history, then new ones."""
         try:

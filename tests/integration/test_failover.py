@@ -166,3 +166,42 @@ async def test_kill_a_worker_and_its_streams_go_on_from_the_other(bus: Bus, tmp_
     finally:
         services.stop()
         await redis.aclose()
+
+
+async def test_a_worker_restarted_under_its_own_name_goes_on_from_what_it_left(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """A worker killed and started again at once with the same id (a container restart in its pod, or
+    the local backend reusing the lowest free name) finds its unfinished entries in its inbox before
+    any dispatcher misses its heartbeat: it must go on from what each stream delivered, not start over."""
+    settings = bus.settings()
+    names = settings.names
+    await create_topics(settings, names.requests_topic("sim"), names.deadletter_topic(), partitions=4)
+    services = Services(settings, tmp_path, POOL_FILE.format(token_ms=60, max_running=2))
+    redis = redis_client(settings)
+    try:
+        services.start("dispatcher-0", "dispatcher", "--pool", "sim")
+        services.start("worker-0", "worker", "--pool", "sim", "--worker-id", "w0")
+        await wait_workers(redis, settings, ["w0"])
+        await leased(redis, settings, 1)
+        requests = [make_request("sim", f"req-same-name-{i:04d}", max_tokens=20) for i in range(4)]
+        ready = asyncio.Event()
+        collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 60, ready))
+        await ready.wait()
+        producer = AIOKafkaProducer(**producer_options(settings))
+        await producer.start()
+        for i, req in enumerate(requests):
+            await producer.send_and_wait(names.requests_topic("sim"), encode(req), key=str(i).encode())
+        await producer.stop()
+        await streaming_on(redis, settings, "w0", [r.request_id for r in requests])
+        services.kill9("worker-0")
+        services.start("worker-0", "worker", "--pool", "sim", "--worker-id", "w0")
+        events = await collector
+        for rid, evs in events.items():
+            assert [type(e) for e in terminals(evs)] == [FinalChunk], (rid, evs)
+            assert [e.seq for e in evs] == list(range(len(evs))), (rid, "no gap, no repeat")
+            text = "".join(e.text for e in evs if isinstance(e, TokenChunk | FinalChunk))
+            assert text == apply_stops(reply_text(make_request("sim", rid, max_tokens=20)), 20, ())[0]
+    finally:
+        services.stop()
+        await redis.aclose()
