@@ -323,11 +323,12 @@ class Worker:
         delivered, its continuation if some was, None if it had ended or cannot go on exactly (then it
         is answered with worker_lost here)."""
         done = progress_of(await read_log(self.redis, self.names, request.request_id))
-        if done.ended:
-            return None
-        if done.next_seq == 0:
-            return request
+        if done.ended or done.next_seq == 0:
+            return None if done.ended else request
         why = refusal(request, done, self.max_migrations) if done.token_ids else "the log holds no tokens"
+        # Counted with the dispatchers' moves, for the pool's totals on the dashboard.
+        with contextlib.suppress(RedisError):
+            await self.redis.hincrby(self.names.migrations(self.settings.pool), "refused" if why else "moved")
         if why is None:
             log.info("going on with a request an earlier process left", request_id=request.request_id)
             return continuation(request, done, self.block_size)
