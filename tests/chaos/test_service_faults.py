@@ -265,7 +265,10 @@ def exercise(
             }
     finally:
         outcomes = load.stop()
-    before = [o.ttft for o in outcomes if o.ttft is not None and o.started < min(struck.values(), default=0)]
+    # The baseline: requests sent after the first answer came back (the stack warmed) and before any fault.
+    warm = min((o.ended for o in outcomes if o.kind == "ok"), default=0.0)
+    first_fault = min(struck.values(), default=0.0)
+    before = [o.ttft for o in outcomes if o.ttft is not None and warm <= o.started < first_fault]
     for row in report.values():
         row["ttft_p99_before_s"] = round(percentile(before, 99), 3) if before else None
     return report, struck, outcomes
