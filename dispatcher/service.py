@@ -449,8 +449,11 @@ class Dispatcher:
 
     async def _recover(self, worker_id: str) -> None:
         requests = await take_over(self.redis, self.names, self.pool, worker_id)
+        # An inbox a restarted worker handed over holds requests placed on that worker's own id.
+        owner = await self.redis.get(self.names.left_by(worker_id)) if requests else None
+        placed_on = owner.decode() if isinstance(owner, bytes) else worker_id
         for request in requests or ():
-            held = Held(request, None, None, time.monotonic(), moved_from=worker_id, taken_over=request)
+            held = Held(request, None, None, time.monotonic(), moved_from=placed_on, taken_over=request)
             if self.hold.add(held):
                 metrics.RECOVERED.labels(self.pool).inc()
 

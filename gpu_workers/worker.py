@@ -50,10 +50,9 @@ from queue_schemas.messages import (
     TokenChunk,
     WorkerState,
 )
-from queue_schemas.migration import continuation, progress_of, refusal
 from queue_schemas.publisher import PipelinedPublisher
 from queue_schemas.quota import settle
-from queue_schemas.replay import CHUNK_SCRIPT, log_ttl_ms, read_log
+from queue_schemas.replay import CHUNK_SCRIPT, log_ttl_ms
 from queue_schemas.state import follow_channel, publish_heartbeat
 
 log = structlog.get_logger("sluice.worker")
@@ -73,11 +72,7 @@ class Worker:
         redis: aioredis.Redis,
         model: str,
         max_running: int,
-        block_size: int = 16,
-        max_migrations: int = 3,
     ) -> None:
-        self.block_size = block_size
-        self.max_migrations = max_migrations
         self.settings = settings
         self.names = settings.names
         self.engine = engine
@@ -110,6 +105,8 @@ class Worker:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until `stop` is set (0), or until the engine fails to start or dies (1)."""
+        # An earlier process under this id left work: dispatchers move it on now, not after our start-up.
+        await self.inbox.hand_over(self.settings.pool)
         heartbeats = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         cancels = asyncio.create_task(
             follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)
@@ -179,7 +176,6 @@ class Worker:
                 )
                 continue
             try:
-                leftover = self.inbox.reading_history
                 entries = await self.inbox.read(free, block_ms=200)
             except RedisError as exc:
                 log.warning("inbox read failed", error=str(exc))
@@ -187,7 +183,7 @@ class Worker:
                 continue
             self._inbox_seen_empty = not entries
             for entry_id, fields in entries:
-                self._accept(entry_id, fields, leftover)
+                self._accept(entry_id, fields)
 
     async def _drain(self) -> None:
         """Take no new placements; finish what is running and what was already placed here, until a deadline.
@@ -217,7 +213,7 @@ class Worker:
             )
         await self._leave_running()  # a dispatcher moves what is left once this worker is gone
 
-    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes], leftover: bool = False) -> None:
+    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             request = decode(InferenceRequest, fields.get(INBOX_FIELD, b""))
         except SchemaError as exc:
@@ -226,7 +222,7 @@ class Worker:
             return
         if request.request_id in self._tasks:
             return
-        self._spawn(request.request_id, self._serve(request, entry_id, leftover))
+        self._spawn(request.request_id, self._serve(request, entry_id))
 
     def _spawn(self, key: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"serve-{key}")
@@ -237,18 +233,8 @@ class Worker:
         self._tasks.pop(key, None)
         self._beat_soon.set()
 
-    async def _serve(self, request: InferenceRequest, entry_id: bytes, leftover: bool = False) -> None:
-        """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry.
-
-        A `leftover` entry was given to an earlier process with this worker id (one killed and started
-        again under the same name): it goes on from what its log shows was delivered, as a request
-        moved off a lost worker does, rather than from the start."""
-        if leftover:
-            taken = await self._take_up(request)
-            if taken is None:
-                await self._ack(entry_id)
-                return
-            request = taken
+    async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
+        """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
         out = RequestOutput(
             request, self.publisher, self.answers, self.names, self.settings.worker_id,
             self.settings.bus_outage_s,
@@ -317,32 +303,6 @@ class Worker:
             if pieces is not None:
                 await pieces.discard()
         await self._ack(entry_id)
-
-    async def _take_up(self, request: InferenceRequest) -> InferenceRequest | None:
-        """The request to run for an entry an earlier process with this id left: itself if nothing was
-        delivered, its continuation if some was, None if it had ended or cannot go on exactly (then it
-        is answered with worker_lost here)."""
-        done = progress_of(await read_log(self.redis, self.names, request.request_id))
-        if done.ended or done.next_seq == 0:
-            return None if done.ended else request
-        why = refusal(request, done, self.max_migrations) if done.token_ids else "the log holds no tokens"
-        # Counted with the dispatchers' moves, for the pool's totals on the dashboard.
-        with contextlib.suppress(RedisError):
-            await self.redis.hincrby(self.names.migrations(self.settings.pool), "refused" if why else "moved")
-        if why is None:
-            log.info("going on with a request an earlier process left", request_id=request.request_id)
-            return continuation(request, done, self.block_size)
-        await self._settle(request, request.client_prompt_tokens + len(done.token_ids))
-        chunk = ErrorChunk(
-            request_id=request.request_id, seq=done.next_seq, code=ErrorCode.WORKER_LOST,
-            message=f"the worker serving the request restarted, and {why}",
-        )  # fmt: skip
-        out = RequestOutput(
-            request, self.publisher, self.answers, self.names, self.settings.worker_id,
-            self.settings.bus_outage_s,
-        )  # fmt: skip
-        await out.emit(chunk)
-        return None
 
     async def _open(self, out: RequestOutput, pieces: EarlyStart, coalescer: ChunkCoalescer) -> str:
         """Start the request once the engine has its first output: 'ok' when that output is delivered,

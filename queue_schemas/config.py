@@ -56,7 +56,11 @@ class VllmEngineConfig(BaseModel):
         min_length=1,
         description="`s3://bucket/prefix`, a local model folder, or a model hub id where a hub is reachable",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="auto: vLLM's choice on a GPU, float32 on a CPU (bfloat16 there needs CPU features "
+        "some virtual machines do not enable)",
+    )
     kv_cache_gib: float = Field(default=1.0, gt=0, description="KV cache size per worker, in GiB")
     max_num_seqs: int = Field(default=32, gt=0, description="requests the engine runs at once")
     enforce_eager: bool = Field(default=True, description="skip graph capture (faster start, CPU default)")

@@ -91,6 +91,10 @@ class Names:
     def recovery_lock(self, worker_id: str) -> str:
         return f"{self.prefix}:recover:{worker_id}"
 
+    def left_by(self, worker_id: str) -> str:
+        """The worker id whose unfinished inbox a restarted process handed over under `worker_id`."""
+        return f"{self.prefix}:leftby:{worker_id}"
+
     def drain_request(self, worker_id: str) -> str:
         """Set by the scaler: the worker drains (not ready, no new placements) but stays up until it is
         stopped; deleted or expired, the worker is ready again."""

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EngineError, EngineOutput
 from gpu_workers.vllm_engine import VllmEngine
-from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
+from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, KvEventKind, TokenChunk
+from queue_schemas.migration import continuation, progress_of
 from queue_schemas.model_store import ModelStore
 from queue_schemas.prefix import block_hashes, cache_salt
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
@@ -123,6 +125,39 @@ async def test_a_prompt_longer_than_the_context_is_an_engine_error(engine: VllmE
     with pytest.raises(EngineError, match="refused the request"):
         await collect(engine, request_for(list(range(3, 403)) * 6, max_tokens=4, rid="long-0000000000000001"))
     assert engine.failure() is None, "one bad request does not kill the engine"
+
+
+async def chunks(engine: VllmEngine, request: InferenceRequest) -> list[TokenChunk | FinalChunk]:
+    """The chunks a worker would publish for `request` (a chunk per engine output)."""
+    coalescer = ChunkCoalescer(request.request_id, "w", 0.0, request.resume)
+    found = []
+    async for out in engine.generate(request):
+        chunk = coalescer.add(out, 0.0)
+        if chunk is not None:
+            found.append(chunk)
+    return found
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9])
+async def test_a_moved_greedy_request_goes_on_exactly_as_an_uninterrupted_run(
+    engine: VllmEngine, cut: int
+) -> None:
+    """What one worker delivered, then the continuation run by the engine: together the same tokens
+    and text as one uninterrupted run, with its usage."""
+    prompt = LONG_PROMPT[:140]  # a full block of 128 and a partial one
+    whole = await chunks(engine, request_for(prompt, 24, "uncut-0000000000001"))
+    assert len(whole) > cut
+    delivered = whole[:cut]
+    moved = continuation(request_for(prompt, 24, f"moved-00000000000{cut:02}"), progress_of(delivered), BLOCK)
+    together = delivered + await chunks(engine, moved)
+    assert [t for c in together for t in c.token_ids] == [t for c in whole for t in c.token_ids]
+    assert "".join(c.text for c in together) == "".join(c.text for c in whole)
+    assert [c.seq for c in together] == list(range(len(together)))
+    last, expected = together[-1], whole[-1]
+    assert isinstance(last, FinalChunk)
+    assert isinstance(expected, FinalChunk)
+    assert last.finish_reason == expected.finish_reason
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (140, 24)
 
 
 async def test_speculative_decoding_gives_the_same_greedy_output(

@@ -173,7 +173,8 @@ async def test_a_worker_restarted_under_its_own_name_goes_on_from_what_it_left(
 ) -> None:
     """A worker killed and started again at once with the same id (a container restart in its pod, or
     the local backend reusing the lowest free name) finds its unfinished entries in its inbox before
-    any dispatcher misses its heartbeat: it must go on from what each stream delivered, not start over."""
+    any dispatcher misses its heartbeat: it hands them to the dispatchers, which move each one on from
+    what its stream delivered; nothing starts over."""
     settings = bus.settings()
     names = settings.names
     await create_topics(settings, names.requests_topic("sim"), names.deadletter_topic(), partitions=4)

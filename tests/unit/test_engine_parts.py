@@ -85,6 +85,14 @@ def test_engine_arguments_follow_the_pool() -> None:
     assert args["kv_cache_memory_bytes"] == 1 << 29
     assert args["speculative_config"] is None
     assert args["kv_events_config"]["endpoint"] == "tcp://x:1"
+    assert args["dtype"] == "auto", "vLLM chooses on a GPU"
+
+
+def test_auto_precision_on_a_cpu_is_float32_and_a_chosen_one_stands() -> None:
+    on_cpu = engine_arguments(_pool(), Path("/m"), spec_decoding=False, kv_endpoint=None, on_gpu=False)
+    assert on_cpu["dtype"] == "float32"
+    chosen = engine_arguments(_pool(dtype="bfloat16"), Path("/m"), False, None, on_gpu=False)
+    assert chosen["dtype"] == "bfloat16"
 
 
 def test_speculation_is_ngram_unless_a_draft_model_is_set() -> None:
