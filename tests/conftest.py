@@ -54,8 +54,11 @@ def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
         broker.stop()
 
 
-async def read_dead_letters(kafka_bootstrap: str, names: Names, wait_ms: int = 3000) -> list[DeadLetter]:
-    """Everything on the dead-letter topic so far."""
+async def read_dead_letters(
+    kafka_bootstrap: str, names: Names, wait_ms: int = 3000, at_least: int = 0
+) -> list[DeadLetter]:
+    """Everything on the dead-letter topic so far; with `at_least`, reading on (up to `wait_ms` more
+    each time) until that many arrived or a read brings nothing new."""
     consumer = AIOKafkaConsumer(
         names.deadletter_topic(),
         bootstrap_servers=kafka_bootstrap,
@@ -63,8 +66,13 @@ async def read_dead_letters(kafka_bootstrap: str, names: Names, wait_ms: int = 3
         fetch_max_wait_ms=5,
     )
     await consumer.start()
+    letters: list[DeadLetter] = []
     try:
-        batch = await consumer.getmany(timeout_ms=wait_ms)
+        while True:
+            batch = await consumer.getmany(timeout_ms=wait_ms)
+            found = [decode(DeadLetter, r.value) for records in batch.values() for r in records]
+            letters += found
+            if len(letters) >= at_least or not found:
+                return letters
     finally:
         await consumer.stop()
-    return [decode(DeadLetter, r.value) for records in batch.values() for r in records]
