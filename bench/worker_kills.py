@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 
 from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
+from infra.launcher import child_pids
 from queue_schemas.openai_types import ChatMessage
 from queue_schemas.settings import BusSettings
 from queue_schemas.tokenizer import ByteTokenizer
@@ -121,18 +122,6 @@ async def client_loop(endpoints: Endpoints, k: int, until: float, run: Run) -> N
             n += 1
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-    return found
-
-
 def worker_id_of(pid: int) -> str:
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     return argv[argv.index(b"--worker-id") + 1].decode()
@@ -144,7 +133,7 @@ async def killer(
     names = bus.names
     while time.time() + every < until:
         await asyncio.sleep(every)
-        victim = random.choice(children(dev.process("scaler").popen.pid))
+        victim = random.choice(child_pids(dev.process("scaler").popen.pid))
         worker = worker_id_of(victim)
         open_streams = [s for s in run.streams if s.request_id and not s.ok and not s.error and s.arrivals]
         owners = (

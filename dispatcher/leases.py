@@ -20,12 +20,22 @@ overlap of two holders (one stalled past its lease) places nothing twice.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+log = structlog.get_logger("sluice.dispatcher.leases")
 
 Partition = tuple[str, int]
+PARTITIONS_REFRESH_S = 10.0  # how often the topics' partition lists are read again
 
 # KEYS: members zset. ARGV: this dispatcher, lease ms. Registers it until now + lease and returns the
 # live members, by the server's clock (so hosts' clocks never matter).
@@ -132,3 +142,71 @@ class Leases:
         )
         held = frozenset(p for (p, _), k in zip(actions, kept, strict=True) if int(k))
         return Ownership(held, frozenset(decided.over_share) & held)
+
+
+class LeasedPartitions:
+    """The partitions a dispatcher consumes, kept in step with its leases.
+
+    `keep` runs beside the dispatcher's loop and works out the target set every quarter lease; the
+    loop calls `to_drop` and `follow` between fetches, so the consumer's assignment changes only there.
+    """
+
+    def __init__(self, consumer: AIOKafkaConsumer, leases: Leases, topics: Sequence[str]) -> None:
+        self._consumer = consumer
+        self._leases = leases
+        self._topics = tuple(topics)
+        self._target: frozenset[Partition] = frozenset()
+        self._releasing: set[Partition] = set()  # no longer consumed; the next round gives them up
+
+    def owned(self) -> set[Partition]:
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def to_drop(self) -> set[Partition]:
+        """Partitions consumed now that the leases no longer give this dispatcher."""
+        return self.owned() - self._target
+
+    def follow(self, dropped: set[Partition], paused_topics: set[str]) -> None:
+        """Assign the consumer the target set (`dropped` were committed and forgotten by the caller);
+        partitions of paused topics stay paused."""
+        target = self._target
+        if target == self.owned():
+            return
+        self._releasing |= dropped
+        self._consumer.assign([TopicPartition(*p) for p in sorted(target)])
+        paused = [TopicPartition(*p) for p in target if p[0] in paused_topics]
+        if paused:
+            self._consumer.pause(*paused)
+        log.info("partitions", consuming=sorted(f"{t}:{p}" for t, p in target), gave_up=len(dropped))
+
+    async def keep(self, stop: asyncio.Event) -> None:
+        """Keep the leases: renewed, a fair share claimed, extras handed back once dropped. If renewals
+        keep failing, consume nothing before the leases can lapse and pass to another dispatcher."""
+        period = self._leases.lease_ms / 4000
+        partitions: list[Partition] = []
+        last_ok = listed_at = time.monotonic()
+        while not stop.is_set():
+            try:
+                if not partitions or time.monotonic() - listed_at > PARTITIONS_REFRESH_S:
+                    partitions, listed_at = await self._list(), time.monotonic()
+                releasing = set(self._releasing)
+                ownership = await self._leases.round(partitions, releasing)
+                self._releasing -= releasing
+                self._target = ownership.held - ownership.over_share - self._releasing
+                last_ok = time.monotonic()
+            except (RedisError, KafkaError, OSError) as exc:
+                if time.monotonic() - last_ok > 2 * period:
+                    log.warning("partition leases not renewed; pausing consumption", error=str(exc))
+                    self._target = frozenset()
+            await asyncio.sleep(period)
+
+    async def hand_back(self) -> None:
+        """Give up every lease now (a stopping dispatcher), rather than when they lapse."""
+        with contextlib.suppress(RedisError):
+            await self._leases.round([], self.owned() | self._releasing)
+
+    async def _list(self) -> list[Partition]:
+        await self._consumer.topics()  # refreshes the metadata
+        found: list[Partition] = []
+        for topic in self._topics:
+            found += [(topic, p) for p in sorted(self._consumer.partitions_for_topic(topic) or ())]
+        return found

@@ -1,6 +1,9 @@
 from prometheus_client import Counter, Gauge, Histogram
 
 PLACEMENTS = Counter("sluice_dispatcher_placements_total", "Requests placed on workers", ["pool"])
+RECEIVED = Counter(
+    "sluice_dispatcher_received_total", "Records read from the pool's topics", ["pool", "topic_kind"]
+)
 OUTCOMES = Counter(
     "sluice_dispatcher_outcomes_total",
     "Requests leaving the dispatcher other than by placement",

@@ -25,7 +25,6 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
-from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from dispatcher import metrics
@@ -33,7 +32,8 @@ from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
 from dispatcher.hold import Held, Hold
 from dispatcher.in_flight import InFlight
-from dispatcher.leases import Leases, Partition
+from dispatcher.leases import LeasedPartitions, Leases
+from dispatcher.migration import decide_move
 from dispatcher.offsets import OffsetTracker
 from dispatcher.placement import Demand, choose_least_loaded
 from dispatcher.recovery import take_over
@@ -45,7 +45,6 @@ from queue_schemas.clients import BusUnavailable
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
-from queue_schemas.migration import continuation, progress_of, refusal
 from queue_schemas.quota import settle
 from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
 from queue_schemas.state import follow_channel
@@ -53,7 +52,6 @@ from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.dispatcher")
 REDIS_PAUSE_S = 0.5  # between placement rounds while Redis does not answer
-PARTITIONS_REFRESH_S = 10.0  # how often the topics' partition lists are read again
 
 
 class Dispatcher:
@@ -93,18 +91,17 @@ class Dispatcher:
         self._background: list[asyncio.Task[None]] = []
         self._unadmitted: list[ConsumerRecord[Any, Any]] = []
         self.in_flight = InFlight()  # batch admissions and answers under way
-        self.leases = Leases(
+        leases = Leases(
             redis, self.names.dispatchers(self.pool), self.names.partition_lease(self.pool),
             self.consumer_id, settings.lease_ms,
         )  # fmt: skip
-        self._target: frozenset[Partition] = frozenset()  # the partitions this dispatcher should consume
-        self._releasing: set[Partition] = set()  # stopped consuming; the next lease round gives them up
+        self.partitions = LeasedPartitions(consumer, leases, (self.topic, self.batch_topic))
 
     async def run(self, stop: asyncio.Event) -> None:
         self.consumer.assign([])
         await self.view.refresh()
         self._background = [
-            asyncio.create_task(self._lease_loop(stop), name="leases"),
+            asyncio.create_task(self.partitions.keep(stop), name="leases"),
             asyncio.create_task(self._view_loop(stop), name="view"),
             asyncio.create_task(self._kv_loop(stop), name="kv-index"),
             asyncio.create_task(follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)),
@@ -136,58 +133,18 @@ class Dispatcher:
             # Requests still held are not committed: whoever leases their partitions next reads them again.
             with contextlib.suppress(Exception):
                 await self._acknowledge()
-            with contextlib.suppress(RedisError):  # hand the leases over now rather than when they lapse
-                await self.leases.round([], set(self._owned()))
+            await self.partitions.hand_back()
 
     # partitions
-    def _owned(self) -> set[Partition]:
-        return {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
-
-    async def _lease_loop(self, stop: asyncio.Event) -> None:
-        """Keep this dispatcher's partition leases: renewed, its share claimed, extras handed back. If
-        renewals keep failing, it stops consuming before its leases can lapse and pass to another."""
-        period = self.settings.lease_ms / 4000
-        partitions: list[Partition] = []
-        last_ok = listed_at = time.monotonic()
-        while not stop.is_set():
-            try:
-                if not partitions or time.monotonic() - listed_at > PARTITIONS_REFRESH_S:
-                    partitions, listed_at = await self._partitions(), time.monotonic()
-                releasing = set(self._releasing)
-                ownership = await self.leases.round(partitions, releasing)
-                self._releasing -= releasing
-                self._target = ownership.held - ownership.over_share - self._releasing
-                last_ok = time.monotonic()
-            except (RedisError, KafkaError, OSError) as exc:
-                if time.monotonic() - last_ok > 2 * period:
-                    log.warning("partition leases not renewed; pausing consumption", error=str(exc))
-                    self._target = frozenset()
-            await asyncio.sleep(period)
-
-    async def _partitions(self) -> list[Partition]:
-        await self.consumer.topics()  # refreshes the metadata
-        found = []
-        for topic in (self.topic, self.batch_topic):
-            found += [(topic, p) for p in sorted(self.consumer.partitions_for_topic(topic) or ())]
-        return found
-
     async def _follow_leases(self) -> None:
         """Consume exactly the leased partitions. One given up first commits what is finished and
         forgets what is held from it (the next holder reads those records again)."""
-        target, owned = self._target, self._owned()
-        if target == owned:
-            return
-        dropped = owned - target
+        dropped = self.partitions.to_drop()
         if dropped:
             with contextlib.suppress(Exception):
                 await self._acknowledge()
             self.revoked(dropped)
-            self._releasing |= dropped
-        self.consumer.assign([TopicPartition(*p) for p in sorted(target)])
-        paused = [TopicPartition(*p) for p in target if p[0] in self._paused]
-        if paused:
-            self.consumer.pause(*paused)
-        log.info("partitions", consuming=sorted(f"{t}:{p}" for t, p in target), gave_up=len(dropped))
+        self.partitions.follow(dropped, self._paused)
 
     # receive
     async def _receive(self) -> None:
@@ -201,6 +158,8 @@ class Dispatcher:
         )
         batch_records = []
         for tp, records in batches.items():
+            kind = "batch" if tp.topic == self.batch_topic else "requests"
+            metrics.RECEIVED.labels(self.pool, kind).inc(len(records))
             for record in records:
                 self.offsets.opened((tp.topic, tp.partition), record.offset)
                 if tp.topic == self.batch_topic:
@@ -300,7 +259,12 @@ class Dispatcher:
         outcome = await self.acts.place(held, decision, logged)
         if outcome == "placed":
             if held.taken_over is not None:
-                await self._count_move(self._moved(held, decision.worker_id))
+                moved = held.request.resume is not None and held.request is not held.taken_over
+                await self._count_move("moved" if moved else "restarted")
+                log.info(
+                    "request of a lost worker placed again", request_id=request.request_id,
+                    worker=decision.worker_id, moved_from=held.moved_from, continued=moved,
+                )  # fmt: skip
             self._finish(held)
             self.hold.charge(request.team, held.cost)
             self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
@@ -317,54 +281,36 @@ class Dispatcher:
         self._finish(held)
         return True
 
-    def _moved(self, held: Held, worker_id: str) -> str:
-        """Log a request of a lost worker placed again: 'restarted' whole, or 'moved' as its continuation."""
-        resume = held.request.resume
-        fresh = held.request is held.taken_over or resume is None
-        log.info(
-            "request of a lost worker placed again",
-            request_id=held.request.request_id, worker=worker_id, moved_from=held.moved_from,
-            delivered_tokens=0 if resume is None or fresh else resume.delivered_tokens,
-        )  # fmt: skip
-        return "restarted" if fresh else "moved"
+    async def _prepare_move(self, held: Held) -> int | None:
+        """Ready a request taken over from a lost worker for placement, from what its replay log shows
+        was delivered (dispatcher.migration): the request whole, or its continuation. Returns how many
+        chunks the log held, or None when it needs no placement: it had ended, or cannot move and is
+        answered with worker_lost after what its client has."""
+        lost = held.taken_over
+        assert lost is not None
+        log_ = await read_log(self.redis, self.names, lost.request_id)
+        move = decide_move(lost, log_, self.max_migrations, self.block_size)
+        held.request = move.request
+        if move.outcome in ("restarted", "moved"):
+            return move.logged  # counted once placed
+        await self._count_move(move.outcome)
+        if move.outcome == "ended":
+            self._finish(held)
+            return None
+        metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
+        log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=move.reason)
+        await settle(self.redis, self.names, lost.request_id, move.used_tokens)
+        message = f"the worker serving the request was lost, and {move.reason}"
+        self._answer_soon(
+            held, partial(self._answer_error, lost, ErrorCode.WORKER_LOST, message, move.logged)
+        )
+        return None
 
     async def _count_move(self, outcome: str) -> None:
         """In this process's metrics, and in Redis for the scaler's dashboard (all dispatchers summed)."""
         metrics.MIGRATIONS.labels(self.pool, outcome).inc()
         with contextlib.suppress(RedisError):
             await self.redis.hincrby(self.names.migrations(self.pool), outcome, 1)
-
-    async def _prepare_move(self, held: Held) -> int | None:
-        """Ready a request taken over from a lost worker for placement, from what its replay log shows
-        was delivered: the whole request again if nothing was, else its continuation (the client's
-        prompt and the delivered tokens; queue_schemas.migration). Returns how many chunks the log held,
-        or None when the request needs no placement: it had ended, or cannot move and is answered
-        with worker_lost."""
-        lost = held.taken_over
-        assert lost is not None
-        events = await read_log(self.redis, self.names, lost.request_id)
-        done = progress_of(events)
-        if done.ended:
-            await self._count_move("ended")
-            self._finish(held)
-            return None
-        if done.next_seq == 0:
-            held.request = lost
-            return 0
-        why = refusal(lost, done, self.max_migrations) if done.token_ids else "the log holds no tokens"
-        if why is not None:
-            await self._count_move("refused")
-            metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
-            log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=why)
-            await settle(
-                self.redis, self.names, lost.request_id, lost.client_prompt_tokens + len(done.token_ids)
-            )
-            message = f"the worker serving the request was lost, and {why}"
-            answer = partial(self._answer_error, lost, ErrorCode.WORKER_LOST, message, done.next_seq)
-            self._answer_soon(held, answer)
-            return None
-        held.request = continuation(lost, done, self.block_size)
-        return done.next_seq
 
     def _finish(self, held: Held) -> None:
         """The request leaves the hold; its record no longer holds its partition's commit back."""

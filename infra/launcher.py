@@ -192,3 +192,17 @@ def start_object_store(port: int, log_dir: Path) -> ManagedProcess:
     proc = spawn("object-store", argv, log_dir)
     wait_until(proc, lambda: tcp_open(port), "object store", timeout=30)
     return proc
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the scaler's local backend starts the workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found

@@ -5,7 +5,7 @@ is what the rest of the system trusts about a stream:
 - the ingress reads it to fill a gap (chunks published while its pub/sub connection was down, or
   before a Redis restart it was disconnected through);
 - the dispatcher reads it to move a request off a lost worker: the tokens delivered so far become part
-  of the prompt on another worker (queue_schemas.migration).
+  of the prompt on another worker (dispatcher.migration).
 
 Writes are fenced on the placement record: a worker that is no longer the request's owner (it was
 presumed lost and the request moved) cannot add to the log or the stream. The log lives while the

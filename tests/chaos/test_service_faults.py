@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
 from infra.keys import set_reply_prefixes
-from infra.launcher import free_port, start_object_store
+from infra.launcher import ManagedProcess, child_pids, free_port, start_object_store
 from queue_schemas.clients import redis_client
 from queue_schemas.codec import decode, encode
 from queue_schemas.messages import Heartbeat
@@ -118,20 +118,6 @@ def durable_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[De
         store.stop()
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (the scaler's local backend starts the workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def recovered_at(outcomes: list[Outcome], since: float) -> float | None:
     """When the first request sent after `since` ended with a complete answer."""
     ends = [o.ended for o in outcomes if o.started > since and o.kind == "ok"]
@@ -207,7 +193,7 @@ class Probe:
 
 def kill_a_worker(dev: DevStack, probe: Probe) -> Callable[[], bool]:
     """Kill one of the scaler's workers; over when a new worker process is ready in its place."""
-    workers = children(dev.process("scaler").popen.pid)
+    workers = child_pids(dev.process("scaler").popen.pid)
     assert workers, "the scaler's workers are running"
     at = time.time()
     os.kill(workers[0], signal.SIGKILL)
@@ -321,6 +307,14 @@ def assert_each_ended_once(outcomes: list[Outcome], cut_at: float | None = None)
         assert all(o.started <= cut_at <= o.ended <= cut_at + 5 for o in cut), cut[:5]
 
 
+def received(proc: ManagedProcess) -> float:
+    """How many records a dispatcher process has read from its pool's topics (its /metrics)."""
+    port = (proc.env or {})["SLUICE_METRICS_PORT"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    lines = [line for line in text.splitlines() if line.startswith("sluice_dispatcher_received_total{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
 def sim_answer(content: str) -> str:
     """What the chaos pool's simulated engine answers to one user message, uninterrupted."""
     prompt = ByteTokenizer().encode_chat([ChatMessage(role="user", content=content)])
@@ -393,11 +387,14 @@ def test_records_written_while_redis_is_down_are_served_when_it_returns(
         await produce(bus, [(names.batch_topic("sim"), json.dumps(batch).encode())], dev_signer)
 
     dev_signer = asyncio.run(signer())
+    dispatchers = [p for p in dev.processes if p.name.startswith("dispatcher-sim")]
+    received_before = sum(received(p) for p in dispatchers)
     dev.halt("redis", kill=False)
     try:
         asyncio.run(produce_both(dev_signer))
-        time.sleep(2.0)  # the dispatcher meets the outage with both records in hand
-        assert dev.process("dispatcher-sim").alive, dev.process("dispatcher-sim").log_tail(40)
+        # The dispatchers meet the outage with both records in hand.
+        wait_for(lambda: sum(received(p) for p in dispatchers) >= received_before + 2, "both records read")
+        assert all(p.alive for p in dispatchers), [p.log_tail(40) for p in dispatchers]
     finally:
         dev.resume("redis")
 

@@ -16,9 +16,9 @@ import redis as sync_redis
 from openai import OpenAI
 
 from infra.devstack import DevStack, Endpoints
+from infra.launcher import child_pids
 from infra.models import prepare_smollm2
 from queue_schemas.settings import BusSettings
-from tests.chaos.test_service_faults import children
 
 pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -84,7 +84,7 @@ def answer(client: OpenAI, prompt: str, seen: dict[str, str] | None = None) -> t
 
 
 def worker_pid(dev: DevStack, worker_id: str) -> int:
-    for pid in children(dev.process("scaler").popen.pid):
+    for pid in child_pids(dev.process("scaler").popen.pid):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if worker_id.encode() in argv:
             return pid

@@ -5,10 +5,13 @@ keep finishing, and no answer reaches a topic its (proven) team does not own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -76,8 +79,20 @@ def headers_for(plan: dict[str, Any], value: bytes, signers: dict[str, Ed25519Pr
     return sign_record(signers[plan["signer"]], value)
 
 
+@contextlib.asynccontextmanager
+async def client_producer(bus: Bus) -> AsyncIterator[AIOKafkaProducer]:
+    producer = AIOKafkaProducer(bootstrap_servers=bus.kafka_bootstrap)
+    await producer.start()
+    try:
+        yield producer
+    finally:
+        await producer.stop()
+
+
 async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
-    async with pipeline(bus, kafka_request_timeout_ms=1500) as p:
+    # The services answer with a short request timeout, so an undeliverable answer fails fast; the
+    # submitter and the interactive client are separate clients with the usual one.
+    async with pipeline(bus, kafka_request_timeout_ms=1500) as p, client_producer(bus) as client:
         names = p.settings.names
         limits = TeamLimits(daily_tokens=300)  # some requests fit, later ones are refused
         record = TeamRecord(team="acme", limits=limits, reply_prefixes=(f"answers.{names.prefix}.",))
@@ -88,12 +103,13 @@ async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
         topic = names.batch_topic("sim")
         for i, plan in enumerate(plans):
             value = record_value(plan, names.prefix)
-            await p.producer.send_and_wait(topic, value, headers=headers_for(plan, value, signers))
+            await client.send_and_wait(topic, value, headers=headers_for(plan, value, signers))
             if i % 5 == 0:  # interactive traffic keeps flowing meanwhile
-                events = await send_and_collect(p, make_request("sim", f"interactive-{i:04d}", max_tokens=3))
+                request = make_request("sim", f"interactive-{i:04d}", max_tokens=3)
+                events = await send_and_collect(p, request, client)
                 assert isinstance(events[-1], FinalChunk), events
                 assert not p.crashed()
-        events = await send_and_collect(p, make_request("sim", "interactive-last", max_tokens=3))
+        events = await send_and_collect(p, make_request("sim", "interactive-last", max_tokens=3), client)
         assert isinstance(events[-1], FinalChunk), events
         await asyncio.sleep(1.0)  # let the last admissions finish before the victim topic is read
         assert await read_answers(p.settings.kafka_bootstrap, VICTIM, 1, 2) == []

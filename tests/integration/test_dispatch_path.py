@@ -45,11 +45,15 @@ async def collect_events(
     return events
 
 
-async def send_and_collect(p: Pipeline, req: InferenceRequest) -> list[StreamEvent]:
-    """Produce one request to the pool's topic and gather its stream events until the terminal one."""
+async def send_and_collect(
+    p: Pipeline, req: InferenceRequest, producer: AIOKafkaProducer | None = None
+) -> list[StreamEvent]:
+    """Produce one request to the pool's topic (with the pipeline's producer unless another is given)
+    and gather its stream events until the terminal one."""
     async with p.redis.pubsub() as pubsub:
         await pubsub.subscribe(p.settings.names.stream_channel(req.request_id))
-        await p.producer.send_and_wait(p.settings.names.requests_topic(req.pool), encode(req), key=b"k")
+        topic = p.settings.names.requests_topic(req.pool)
+        await (producer or p.producer).send_and_wait(topic, encode(req), key=b"k")
         return await collect_events(pubsub)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from dispatcher.migration import Progress, continuation, progress_of, refusal
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.simulated import SimulatedEngine
 from ingress.relay import events
@@ -30,7 +31,6 @@ from queue_schemas.messages import (
     StructuredOutput,
     TokenChunk,
 )
-from queue_schemas.migration import Progress, continuation, progress_of, refusal
 from queue_schemas.prefix import block_hashes
 from queue_schemas.replay import in_order
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Resume, StreamEvent
 from queue_schemas.prefix import block_hashes
@@ -98,3 +99,29 @@ def continuation(request: InferenceRequest, done: Progress, block_size: int) -> 
         prompt_token_ids=prompt, sampling=sampling, resume=resume, block_hashes=hashes, start_by=None
     )
     return InferenceRequest.model_validate(fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """What becomes of a request taken over from a lost worker, given its replay log."""
+
+    outcome: Literal["ended", "restarted", "moved", "refused"]
+    request: InferenceRequest  # what to place (the request itself, or its continuation)
+    logged: int  # chunks the log held: the placement goes ahead only while it still holds that many
+    reason: str = ""  # why it cannot move (refused)
+    used_tokens: int = 0  # what the client was sent, charged to a refused request
+
+
+def decide_move(lost: InferenceRequest, log: Sequence[StreamEvent], limit: int, block_size: int) -> Move:
+    """Ended (its last chunk was out), restarted whole (nothing was delivered), moved as its
+    continuation, or refused (it cannot go on exactly; the client gets worker_lost after what it has)."""
+    done = progress_of(log)
+    if done.ended:
+        return Move("ended", lost, done.next_seq)
+    if done.next_seq == 0:
+        return Move("restarted", lost, 0)
+    why = refusal(lost, done, limit) if done.token_ids else "the log holds no tokens"
+    if why is not None:
+        used = lost.client_prompt_tokens + len(done.token_ids)
+        return Move("refused", lost, done.next_seq, why, used)
+    return Move("moved", continuation(lost, done, block_size), done.next_seq)
