@@ -30,6 +30,9 @@ PREFIX_BLOCKS = Counter(
     ["pool", "kind"],  # prompt, matched
 )
 RECOVERED = Counter("sluice_dispatcher_recovered_total", "Requests moved off a lost worker", ["pool"])
+CONSUMING = Gauge(
+    "sluice_dispatcher_partitions", "Partitions this dispatcher consumes (leased to it)", ["pool"]
+)
 PAUSED = Gauge("sluice_dispatcher_paused", "1 while the hold is full and partitions are paused", ["pool"])
 MIGRATIONS = Counter(
     "sluice_dispatcher_migrations_total",

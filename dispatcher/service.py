@@ -145,6 +145,7 @@ class Dispatcher:
                 await self._acknowledge()
             self.revoked(dropped)
         self.partitions.follow(dropped, self._paused)
+        metrics.CONSUMING.labels(self.pool).set(len(self.partitions.owned()))
 
     # receive
     async def _receive(self) -> None:
