@@ -324,7 +324,9 @@ class Dispatcher:
             # Settled before it leaves the hold: if Redis fails here, the next round tries again.
             await settle(self.redis, self.names, held.request.request_id, 0)
             late = "no worker could take the request in time"
-            self._answer_soon(held, partial(self._answer_error, held.request, ErrorCode.TIMEOUT, late))
+            resume = held.request.resume  # a moved request's error follows what its client has
+            seq = 0 if resume is None else resume.next_seq
+            self._answer_soon(held, partial(self._answer_error, held.request, ErrorCode.TIMEOUT, late, seq))
             metrics.OUTCOMES.labels(self.pool, "timeout").inc()
 
     def _answer_soon(self, held: Held, send: Callable[[], Awaitable[object]]) -> None:
@@ -401,7 +403,13 @@ class Dispatcher:
         placed_on = owner.decode() if isinstance(owner, bytes) else worker_id
         for request in requests or ():
             held = Held(request, None, None, time.monotonic(), moved_from=placed_on, taken_over=request)
-            if self.hold.add(held):
+            # Before it joins the hold: one that ended or cannot move is answered now, and a
+            # continuation is bound by its deadline only, not by the start-by time of a queued request.
+            try:
+                to_place = await self._prepare_move(held) is not None
+            except RedisError:  # its inbox entry is gone: it is held, and prepared again at its turn
+                to_place = True
+            if to_place and self.hold.add(held):
                 metrics.RECOVERED.labels(self.pool).inc()
 
     async def _kv_loop(self, stop: asyncio.Event) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.migration import Progress, continuation, progress_of, refusal
+from dispatcher.migration import Progress, continuation, decide_move, progress_of, refusal
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.simulated import SimulatedEngine
 from ingress.relay import events
@@ -193,3 +193,18 @@ def test_a_gap_the_log_cannot_fill_or_a_lost_hub_ends_the_stream_with_one_error(
     assert seen[-1].code == "worker_lost"  # type: ignore[union-attr]
     seen = relay(Feed([encode(chunks[0]), HubDisconnected("gone for good")]), chunks)
     assert [type(e) for e in seen] == [TokenChunk, ErrorChunk]
+
+
+def test_what_becomes_of_a_lost_workers_request() -> None:
+    whole = run(request())
+    assert decide_move(request(), [], limit=3, block_size=16).outcome == "restarted"
+    ended = decide_move(request(), whole, limit=3, block_size=16)
+    assert (ended.outcome, ended.logged) == ("ended", len(whole))
+    moved = decide_move(request(), whole[:5], limit=3, block_size=16)
+    assert (moved.outcome, moved.logged) == ("moved", 5)
+    assert moved.request.resume is not None
+    assert moved.request.resume.delivered_tokens == 5
+    refused = decide_move(request(stop=("x",)), whole[:5], limit=3, block_size=16)
+    assert (refused.outcome, refused.logged) == ("refused", 5)
+    assert refused.used_tokens == len(PROMPT) + 5, "the prompt and what the client was sent"
+    assert "stop sequences" in refused.reason
