@@ -31,7 +31,10 @@ async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) 
         ghost = await register_signer(p.redis, names, "ghost")
         await p.redis.delete(names.team("ghost"))  # a signer whose team record is gone: refused
         reply = reply_prefix + "acme"
-        await create_topics(p.settings, reply, names.results_topic("ghost"), partitions=1)
+        # Every topic an answer goes to exists first, as on a cluster with topic auto-creation off (the
+        # dev broker would create one on its first produce).
+        results = [names.results_topic(team) for team in ("ghost", "acme")]
+        await create_topics(p.settings, reply, *results, partitions=1)
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
         good = {

@@ -99,7 +99,10 @@ async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
         await p.redis.set(names.team("acme"), record.model_dump_json())
         signers = {team: await register_signer(p.redis, names, team) for team in ("acme", "mallory", "ghost")}
         await p.redis.delete(names.team("ghost"))
-        await create_topics(p.settings, VICTIM, partitions=1)
+        # Every topic an answer may go to exists first, as on a cluster with topic auto-creation off.
+        answered = [names.results_topic(t) for t in ("acme", "mallory", "ghost")]
+        answered.append(f"answers.{names.prefix}.x")
+        await create_topics(p.settings, VICTIM, *answered, partitions=1)
         topic = names.batch_topic("sim")
         for i, plan in enumerate(plans):
             value = record_value(plan, names.prefix)
