@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 
@@ -16,6 +17,8 @@ from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
 
 log = structlog.get_logger("sluice.state")
+
+CLOSE_TIMEOUT_S = 1.0
 
 
 async def publish_heartbeat(redis: aioredis.Redis, names: Names, hb: Heartbeat) -> None:
@@ -67,14 +70,19 @@ async def follow_channel(
     also re-read it from its keys.
     """
     while True:
+        pubsub = redis.pubsub()
         try:
-            async with redis.pubsub() as pubsub:
-                await pubsub.subscribe(channel)
-                async for msg in pubsub.listen():
-                    if msg["type"] == "message":
-                        result = on_message(msg["data"])
-                        if inspect.isawaitable(result):
-                            await result
+            await pubsub.subscribe(channel)
+            async for msg in pubsub.listen():
+                if msg["type"] == "message":
+                    result = on_message(msg["data"])
+                    if inspect.isawaitable(result):
+                        await result
         except (RedisError, OSError) as exc:
             log.warning("channel lost; resubscribing", channel=channel, error=str(exc))
             await asyncio.sleep(0.5)
+        finally:
+            # Bounded: closing talks to Redis, and a service stopping (this task cancelled) must not
+            # wait on a connection that does not answer.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT_S)  # type: ignore[no-untyped-call]
