@@ -190,6 +190,10 @@ def test_disconnect_aborts_the_engine_and_charges_only_what_was_generated(endpoi
         got += chunk.choices[0].delta.content or ""
         if len(got) >= 3:
             break
+    # The heartbeat goes out once a second: wait for one sent since the request started.
+    started = time.monotonic()
+    while heartbeat(endpoints, "slow", "slow-w0").running != 1 and time.monotonic() - started < 3.0:
+        time.sleep(0.05)
     assert heartbeat(endpoints, "slow", "slow-w0").running == 1
     stream.close()
     closed = time.monotonic()
