@@ -2,9 +2,9 @@
 
 One dispatcher wins a short lock per lost worker, reads every entry left in its inbox (entries are
 deleted when a worker finishes them, so what remains never finished) and clears the worker's keys. The
-returned requests go back into the hold; placing them again checks, atomically, that the lost worker
-never started them (see dispatcher.acts.PLACE_SCRIPT), and those it had started end with a worker_lost
-error instead.
+returned requests go back into the hold, placed whole or as the continuation of what their replay log
+shows was delivered (dispatcher.migration); the placement script checks, atomically, that the log has
+not grown since it was read (dispatcher.acts.PLACE_SCRIPT).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from gpu_workers.worker import Worker
 from infra.keys import create_signing_key
 from infra.launcher import ManagedProcess, spawn
 from queue_schemas.clients import consumer_options, producer_options, redis_client
-from queue_schemas.codec import decode, decode_stream_event
+from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
     ErrorChunk,
@@ -225,6 +225,19 @@ async def collect(
                 if event.request_id in events:
                     events[event.request_id].append(event)
     return events
+
+
+async def send_requests(settings: BusSettings, requests: list[InferenceRequest]) -> None:
+    """Produce the requests to their pool's topic, each keyed by its position."""
+    producer = AIOKafkaProducer(**producer_options(settings))
+    await producer.start()
+    try:
+        for i, req in enumerate(requests):
+            await producer.send_and_wait(
+                settings.names.requests_topic(req.pool), encode(req), key=str(i).encode()
+            )
+    finally:
+        await producer.stop()
 
 
 def terminals(events: list[StreamEvent]) -> list[StreamEvent]:

@@ -18,7 +18,7 @@ from queue_schemas.codec import decode, encode
 from queue_schemas.messages import FinalChunk, Heartbeat, StreamEvent, TokenChunk
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
-from tests.integration.helpers import Services, collect, create_topics, make_request, terminals
+from tests.integration.helpers import Services, collect, create_topics, make_request, send_requests, terminals
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -189,11 +189,7 @@ async def test_a_worker_restarted_under_its_own_name_goes_on_from_what_it_left(
         ready = asyncio.Event()
         collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 60, ready))
         await ready.wait()
-        producer = AIOKafkaProducer(**producer_options(settings))
-        await producer.start()
-        for i, req in enumerate(requests):
-            await producer.send_and_wait(names.requests_topic("sim"), encode(req), key=str(i).encode())
-        await producer.stop()
+        await send_requests(settings, requests)
         await streaming_on(redis, settings, "w0", [r.request_id for r in requests])
         services.kill9("worker-0")
         services.start("worker-0", "worker", "--pool", "sim", "--worker-id", "w0")

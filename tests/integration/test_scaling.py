@@ -13,14 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from aiokafka import AIOKafkaProducer
 
 from infra.launcher import free_port
-from queue_schemas.clients import producer_options, redis_client
-from queue_schemas.codec import encode
+from queue_schemas.clients import redis_client
 from queue_schemas.messages import FinalChunk, TokenChunk
 from tests.conftest import Bus
-from tests.integration.helpers import Services, collect, create_topics, make_request, terminals
+from tests.integration.helpers import Services, collect, create_topics, make_request, send_requests, terminals
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -86,11 +84,7 @@ async def test_burst_scales_up_drains_then_scales_down_by_draining(bus: Bus, tmp
         ready = asyncio.Event()
         collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 90, ready))
         await ready.wait()
-        producer = AIOKafkaProducer(**producer_options(settings))
-        await producer.start()
-        for i, req in enumerate(requests):
-            await producer.send_and_wait(names.requests_topic("sim"), encode(req), key=str(i).encode())
-        await producer.stop()
+        await send_requests(settings, requests)
 
         scaled = await wait_for(url, lambda r: r["replicas"]["ready"] == 2, within_s=30)
         assert scaled["replicas"]["desired"] == 2  # type: ignore[index]
