@@ -1,25 +1,41 @@
 """`python -m bench.sim EXPERIMENT`: run the fleet simulator and print its tables (and draw its plots).
 
-- placement: every router on the shared-prefix workload at several rates (8 replicas);
-- workloads: every router on multi-turn chat, bursty code completion and a batch flood;
-- scaling: the three scaling rules on a diurnal day, 3-minute start-up;
-- seeds: the cache-aware routers on the shared-prefix workload, one row per seed (traffic and router);
+- placement: every router on the shared-prefix workload at several rates (8 replicas), over seeds, with
+  exact views and with heartbeat views;
+- workloads: every router on multi-turn chat, bursty code completion and a batch flood, over seeds;
+- scaling: the scaling rules on a diurnal day, 3-minute start-up, over seeds, with KEDA's lag threshold
+  swept;
+- llmd: llm-d's precise-prefix-cache benchmark as llm-d describes it (llmd_experiment.py);
 - scale: 64 replicas and one hour of shared-prefix traffic, timed.
+
+Each cell of a table over seeds is the median over the seeds with the [min-max] range beside it.
+Runs go over `--jobs` processes; each run is seeded, so the tables do not depend on the number of jobs.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.sim.engine import TimingModel
 from bench.sim.fleet import Outcome, Scaler, simulate
 from bench.sim.metrics import Summary, summarize, violation_minutes
 from bench.sim.routers import ROUTERS, make_router
-from bench.sim.scalers import KedaScaler, ReactiveScaler, SluiceScaler
+from bench.sim.scalers import (
+    DynamoPlannerScaler,
+    KedaScaler,
+    LlmdTokenScaler,
+    ReactiveScaler,
+    SluiceScaler,
+)
+from bench.sim.views import Mode
 from bench.sim.workloads import (
     Workload,
     batch_flood,
@@ -29,16 +45,135 @@ from bench.sim.workloads import (
     multi_turn,
     shared_prefix,
 )
-from dispatcher.placement import PlacementPolicy
 from scaler.policy import ScalingPolicy
 
-_DEFAULT = PlacementPolicy()
-DEFAULT_WEIGHTS = [_DEFAULT.prefix_weight, _DEFAULT.kv_weight, _DEFAULT.queue_weight]
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "bursty-code": bursty_code,
+    "batch-flood": batch_flood,
+}
 
-HEADER = (
+
+@dataclass(frozen=True)
+class Run:
+    """One simulated run, described by names and numbers so that it can go to another process."""
+
+    workload: str
+    kwargs: tuple[tuple[str, Any], ...]
+    router: str
+    seed: int
+    views: Mode
+    replicas: int = 8
+    heartbeat_s: float = 0.5
+
+
+@dataclass
+class Result:
+    summary: Summary
+    unfinished: int
+    batch: Summary | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def run_one(run: Run) -> Result:
+    w = WORKLOADS[run.workload](**dict(run.kwargs))
+    out = simulate(
+        functools.partial(make_router, run.router, run.seed), TimingModel(), w.requests, w.duration_s,
+        run.replicas, seed=run.seed, heartbeat_s=run.heartbeat_s, views=run.views,
+    )  # fmt: skip
+    batch = summarize(out, "batch") if run.workload == "batch-flood" else None
+    return Result(summarize(out), out.unfinished, batch)
+
+
+def spread(values: Sequence[float], fmt: str) -> str:
+    """Median [min-max] of a figure over seeds."""
+    mid = statistics.median(values)
+    if min(values) == max(values):
+        return format(mid, fmt)
+    return f"{format(mid, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+
+
+def ttft_ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f}" if seconds >= 1 else f"{seconds * 1000:.1f}"
+
+
+PLACEMENT_HEADER = (
     "| router | p50 TTFT ms | p90 TTFT ms | p99 TTFT s | p90 ITL ms | tokens/s | prefix hits | SLO met "
     "| unfinished |"
 )
+
+
+def placement_row(name: str, results: list[Result]) -> str:
+    s = [r.summary for r in results]
+
+    def cell(values: list[float], fmt: str | Callable[[float], str]) -> str:
+        mid, lo, hi = statistics.median(values), min(values), max(values)
+        f = fmt if callable(fmt) else (lambda v: format(v, fmt))
+        return f(mid) if lo == hi else f"{f(mid)} [{f(lo)}-{f(hi)}]"
+
+    return (
+        f"| {name} | {cell([x.ttft_p50 for x in s], ttft_ms)} | {cell([x.ttft_p90 for x in s], ttft_ms)} "
+        f"| {cell([x.ttft_p99 for x in s], '.2f')} | {cell([x.itl_p90 * 1000 for x in s], '.0f')} "
+        f"| {cell([x.tokens_per_s for x in s], ',.0f')} | {cell([x.hit_rate * 100 for x in s], '.0f')}% "
+        f"| {cell([x.slo_attainment * 100 for x in s], '.1f')}% "
+        f"| {cell([float(r.unfinished) for r in results], '.0f')} |"
+    )
+
+
+def run_table(title: str, runs: dict[str, list[Run]], pool: ProcessPoolExecutor) -> dict[str, list[Result]]:
+    futures = {name: [pool.submit(run_one, r) for r in rs] for name, rs in runs.items()}
+    print(f"\n**{title}**\n")
+    print(PLACEMENT_HEADER)
+    print("| --- " * 9 + "|")
+    results = {}
+    for name, fs in futures.items():
+        results[name] = [f.result() for f in fs]
+        print(placement_row(name, results[name]), flush=True)
+    return results
+
+
+def placement(args: argparse.Namespace) -> None:
+    print(f"seeds {args.seeds}; views {args.views}; heartbeat {args.heartbeat_s:g} s")
+    by_rate: dict[str, dict[float, dict[str, list[Result]]]] = {}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for views in args.views:
+            for rate in args.rates:
+                kwargs = (("rate", rate), ("duration_s", args.duration))
+                w = shared_prefix(rate=rate, duration_s=args.duration)
+                runs = {
+                    name: [Run("shared-prefix", kwargs, name, seed, views, 8, args.heartbeat_s)
+                           for seed in args.seeds]
+                    for name in args.routers
+                }  # fmt: skip
+                title = f"{w.description}; 8 replicas, {w.duration_s:.0f} s; {views} views"
+                by_rate.setdefault(views, {})[rate] = run_table(title, runs, pool)
+    if args.plots:
+        plot_placement(by_rate, args.plots / "sim_placement.png")
+
+
+def workloads(args: argparse.Namespace) -> None:
+    print(f"seeds {args.seeds}; views {args.views}; heartbeat {args.heartbeat_s:g} s")
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for views in args.views:
+            for name, kwargs in (
+                ("multi-turn", (("duration_s", args.duration),)),
+                ("bursty-code", (("duration_s", args.duration),)),
+                ("batch-flood", ()),
+            ):
+                w = WORKLOADS[name](**dict(kwargs))
+                runs = {
+                    router: [Run(name, kwargs, router, s, views, 8, args.heartbeat_s) for s in args.seeds]
+                    for router in args.routers
+                }
+                title = f"{w.name}: {w.description}; 8 replicas, {w.duration_s:.0f} s; {views} views"
+                results = run_table(title, runs, pool)
+                if name == "batch-flood":
+                    print("\nbatch requests finished by the end of the run (of 20,000), their p50 TTFT s:")
+                    for router, rs in results.items():
+                        done = [float(r.batch.finished) if r.batch else 0.0 for r in rs]
+                        p50 = [r.batch.ttft_p50 if r.batch else float("nan") for r in rs]
+                        print(f"- {router}: {spread(done, ',.0f')} done, p50 TTFT {spread(p50, ',.0f')} s")
 
 
 SCALING_HEADER = (
@@ -46,111 +181,93 @@ SCALING_HEADER = (
 )
 
 
-def row(name: str, s: Summary, out: Outcome) -> str:
-    return (
-        f"| {name} | {s.ttft_p50 * 1000:,.1f} | {s.ttft_p90 * 1000:,.1f} | {s.ttft_p99:.2f} | "
-        f"{s.itl_p90 * 1000:.0f} | {s.tokens_per_s:,.0f} | {s.hit_rate:.0%} | {s.slo_attainment:.1%} | "
-        f"{out.unfinished} |"
-    )
+@dataclass(frozen=True)
+class ScalingRun:
+    scaler: str
+    setting: float
+    seed: int
+    peak: float
+    day_s: float
+    startup: float
+    capacity: float
+    prior_startup: float
 
 
-def compare(workload: Workload, replicas: int, model: TimingModel, seed: int) -> dict[str, Summary]:
-    print(f"\n{workload.name}: {workload.description}; {replicas} replicas, {workload.duration_s:.0f} s")
-    print(HEADER)
-    print("| --- " * 9 + "|")
-    results = {}
-    for name in ROUTERS:
-        out = simulate(
-            functools.partial(make_router, name, seed),
-            model,
-            workload.requests,
-            workload.duration_s,
-            replicas,
-        )
-        results[name] = summarize(out)
-        print(row(name, results[name], out), flush=True)
-    return results
+def make_scaler(run: ScalingRun) -> Scaler:
+    model = TimingModel(max_seqs=64)
+    if run.scaler == "sluice":
+        policy = ScalingPolicy(min_replicas=1, max_replicas=64, queue_slo_s=30, target_utilization=0.8)
+        return SluiceScaler(policy, capacity_default=run.capacity, startup_s=run.prior_startup)
+    if run.scaler == "keda":
+        return KedaScaler(1, 64, lag_threshold=int(run.setting))
+    if run.scaler == "reactive":
+        return ReactiveScaler(1, 64, concurrency=model.max_seqs)
+    if run.scaler == "dynamo-planner":
+        return DynamoPlannerScaler(1, 64, capacity=run.capacity, interval_s=run.setting)
+    if run.scaler == "llm-d-tokens":
+        return LlmdTokenScaler(1, 64, prefill_tokens_per_s=1 / model.prefill_per_token_s, ttft_slo_s=2.0)
+    raise ValueError(run.scaler)
 
 
-def placement(args: argparse.Namespace) -> None:
-    model = TimingModel()
-    by_rate = {}
-    for rate in args.rates:
-        by_rate[rate] = compare(shared_prefix(rate=rate, duration_s=args.duration), 8, model, args.seed)
-    if args.plots:
-        plot_placement(by_rate, args.plots / "sim_placement.png")
-
-
-def seeds(args: argparse.Namespace) -> None:
-    """p90 and p99 TTFT of each cache-aware router for each seed of traffic and router, and its cold
-    placements (requests that found none of their prompt cached on the replica they were sent to).
-
-    At low load the cache-aware routers' p90 differ by less than a tenth of a millisecond; this shows by
-    how much, seed by seed.
-    """
-    model = TimingModel()
-    prefix, kv, queue = args.weights
-    policy = PlacementPolicy(prefix_weight=prefix, kv_weight=kv, queue_weight=queue)
-    for rate in args.rates:
-        w = shared_prefix(rate=rate, duration_s=args.duration)
-        print(f"\n{w.name}: {w.description}; 8 replicas, {w.duration_s:.0f} s")
-        print(
-            f"sluice's weights: prefix {prefix:g}, KV {kv:g}, queue {queue:g}; "
-            f"heartbeats every {args.heartbeat_s:g} s"
-        )
-        print("each cell: p90 TTFT ms / p99 TTFT s / cold placements")
-        print("| seed | " + " | ".join(args.routers) + " | best p90 |")
-        print("| --- " * (len(args.routers) + 2) + "|")
-        for seed in args.seeds:
-            cells, p90 = [], {}
-            for name in args.routers:
-                out = simulate(
-                    functools.partial(make_router, name, seed, policy), model, w.requests, w.duration_s, 8,
-                    seed=seed, heartbeat_s=args.heartbeat_s,
-                )  # fmt: skip
-                s = summarize(out)
-                p90[name] = s.ttft_p90
-                cold = sum(1 for r in out.requests if r.cached_tokens == 0)
-                cells.append(f"{s.ttft_p90 * 1000:,.2f} / {s.ttft_p99:.2f} / {cold}")
-            print(f"| {seed} | " + " | ".join(cells) + f" | {min(p90, key=p90.__getitem__)} |", flush=True)
-
-
-def workloads(args: argparse.Namespace) -> None:
-    model = TimingModel()
-    for w in (multi_turn(duration_s=args.duration), bursty_code(duration_s=args.duration), batch_flood()):
-        compare(w, 8, model, args.seed)
+def scaling_one(run: ScalingRun) -> tuple[int, float, float, float, int, int]:
+    w = diurnal(peak=run.peak, day_s=run.day_s)
+    out: Outcome = simulate(
+        functools.partial(make_router, "sluice", run.seed), TimingModel(max_seqs=64), w.requests,
+        w.duration_s, 1, seed=run.seed, scaler=make_scaler(run), startup_s=run.startup, heartbeat_s=1.0,
+        by_minute=True,
+    )  # fmt: skip
+    s = summarize(out)
+    minutes = violation_minutes(out.stats, w.duration_s, 2.0, out.unfinished)
+    peak = max((ready + starting for _, ready, starting, _ in out.timeline), default=0)
+    return minutes, s.gpu_hours, s.ttft_p90, s.ttft_p99, peak, out.unfinished
 
 
 def scaling(args: argparse.Namespace) -> None:
-    model = TimingModel(max_seqs=64)
-    w = diurnal(peak=args.peak, day_s=args.day_s)
-    factories: dict[str, Callable[[], Scaler]] = {
-        "sluice": lambda: SluiceScaler(
-            ScalingPolicy(min_replicas=1, max_replicas=64, queue_slo_s=30, target_utilization=0.8),
-            capacity_default=args.capacity, startup_s=args.startup,
-        ),
-        "keda": lambda: KedaScaler(1, 64),
-        "reactive": lambda: ReactiveScaler(1, 64, concurrency=64),
-    }  # fmt: skip
-    print(f"\ndiurnal: {w.description}, day of {args.day_s / 3600:.0f} h, start-up {args.startup:.0f} s")
+    settings: list[tuple[str, str, float]] = [
+        ("sluice", "sluice", 0.0),
+        *[(f"keda, lagThreshold {t}", "keda", float(t)) for t in args.lag_thresholds],
+        ("reactive (HPA, 70% of 64 per replica)", "reactive", 0.0),
+        *[(f"dynamo-planner, {i:g} s interval", "dynamo-planner", float(i)) for i in args.planner_intervals],
+        ("llm-d token-aware", "llm-d-tokens", 0.0),
+    ]
+    print(
+        f"\ndiurnal: peak {args.peak:g} req/s, day of {args.day_s / 3600:.0f} h, "
+        f"start-up {args.startup:.0f} s; seeds {args.seeds}; "
+        f"sluice's start-up prior {args.prior_startup:.0f} s (it measures the real one)"
+    )
     print(SCALING_HEADER)
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    timelines = {}
-    for name, factory in factories.items():
-        out = simulate(
-            lambda: make_router("sluice", args.seed), model, w.requests, w.duration_s, 1,
-            seed=args.seed, scaler=factory(), startup_s=args.startup, heartbeat_s=1.0,
-        )  # fmt: skip
-        s = summarize(out)
-        minutes = violation_minutes(out.requests, w.duration_s, 2.0, out.unfinished)
-        peak = max((ready + starting for _, ready, starting, _ in out.timeline), default=0)
-        print(
-            f"| {name} | {minutes} | {s.gpu_hours:.0f} | {s.ttft_p90:.3f} | {s.ttft_p99:.2f} | {peak} | "
-            f"{out.unfinished} |",
-            flush=True,
-        )
-        timelines[name] = out.timeline
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = {
+            label: [
+                pool.submit(scaling_one, ScalingRun(kind, value, seed, args.peak, args.day_s, args.startup,
+                                                    args.capacity, args.prior_startup))
+                for seed in args.seeds
+            ]
+            for label, kind, value in settings
+        }  # fmt: skip
+        for label, fs in futures.items():
+            rows = [f.result() for f in fs]
+            print(
+                f"| {label} | {spread([r[0] for r in rows], '.0f')} | {spread([r[1] for r in rows], '.0f')} "
+                f"| {spread([r[2] for r in rows], '.3f')} | {spread([r[3] for r in rows], '.2f')} "
+                f"| {spread([r[4] for r in rows], '.0f')} | {spread([r[5] for r in rows], '.0f')} |",
+                flush=True,
+            )
     if args.plots:
+        timelines = {}
+        for label, kind, value in settings:
+            if kind == "keda" and value != args.lag_thresholds[0]:
+                continue
+            run = ScalingRun(kind, value, args.seeds[0], args.peak, args.day_s, args.startup, args.capacity,
+                             args.prior_startup)  # fmt: skip
+            w = diurnal(peak=run.peak, day_s=run.day_s)
+            out = simulate(
+                functools.partial(make_router, "sluice", run.seed), TimingModel(max_seqs=64), w.requests,
+                w.duration_s, 1, seed=run.seed, scaler=make_scaler(run), startup_s=run.startup,
+                heartbeat_s=1.0,
+            )  # fmt: skip
+            timelines[label] = out.timeline
         plot_scaling(timelines, args, args.plots / "sim_scaling.png")
 
 
@@ -160,30 +277,38 @@ def scale(args: argparse.Namespace) -> None:
     out = simulate(lambda: make_router("sluice", args.seed), TimingModel(), w.requests, w.duration_s, 64)
     wall = time.perf_counter() - t0
     s = summarize(out)
-    print(f"\n64 replicas, 1 simulated hour, {w.description}")
-    print(HEADER)
+    print(f"\n64 replicas, 1 simulated hour, {w.description}; heartbeat views")
+    print(PLACEMENT_HEADER)
     print("| --- " * 9 + "|")
-    print(row("sluice", s, out))
+    print(placement_row("sluice", [Result(s, out.unfinished)]))
     rate = s.finished / wall
     print(f"{s.finished:,} requests simulated in {wall:.0f} s of wall time ({rate:,.0f} requests/s)")
 
 
-def plot_placement(by_rate: dict[float, dict[str, Summary]], path: Path) -> None:
+def llmd(args: argparse.Namespace) -> None:
+    from bench.sim.llmd_experiment import main as experiment
+
+    experiment(args.seeds, args.jobs)
+
+
+def plot_placement(by_views: dict[str, dict[float, dict[str, list[Result]]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    rates = sorted(by_rate)
-    for name in ROUTERS:
-        ax.plot(rates, [by_rate[r][name].ttft_p90 for r in rates], marker="o", label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("arrival rate, requests/s (8 replicas)")
-    ax.set_ylabel("p90 time to first token, s (log)")
-    ax.set_title("Shared-prefix workload: 150 tenants x 6k-token context")
-    ax.legend(fontsize=8)
-    ax.grid(True, alpha=0.3)
+    fig, axes = plt.subplots(1, len(by_views), figsize=(6 * len(by_views), 4.5), squeeze=False)
+    for ax, (views, by_rate) in zip(axes[0], by_views.items(), strict=True):
+        rates = sorted(by_rate)
+        for name in by_rate[rates[0]]:
+            p90 = [statistics.median(r.summary.ttft_p90 for r in by_rate[rate][name]) for rate in rates]
+            ax.plot(rates, p90, marker="o", label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival rate, requests/s (8 replicas)")
+        ax.set_ylabel("p90 time to first token, s (log; median of seeds)")
+        ax.set_title(f"Shared prefix, {views} views")
+        ax.legend(fontsize=8)
+        ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -217,29 +342,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("experiment", choices=["placement", "workloads", "scaling", "seeds", "scale"])
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="for `seeds`")
-    parser.add_argument(
-        "--routers", nargs="+", choices=ROUTERS, default=["sluice", "sglang", "llm-d", "dynamo"],
-        help="for `seeds`",
-    )  # fmt: skip
-    parser.add_argument(
-        "--weights", type=float, nargs=3, metavar=("PREFIX", "KV", "QUEUE"), default=DEFAULT_WEIGHTS,
-        help="sluice's placement weights, for `seeds` (default: the dispatcher's)",
-    )  # fmt: skip
-    parser.add_argument("--heartbeat-s", type=float, default=0.5, help="heartbeat period, for `seeds`")
+    parser.add_argument("experiment", choices=["placement", "workloads", "scaling", "llmd", "scale"])
+    parser.add_argument("--seed", type=int, default=1, help="for `scale`")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--jobs", type=int, default=2, help="processes to run the runs in")
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    parser.add_argument("--views", nargs="+", choices=["exact", "heartbeat"], default=["heartbeat", "exact"])
+    parser.add_argument("--heartbeat-s", type=float, default=0.5, help="age bound of heartbeat views")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic per run")
     parser.add_argument("--rates", type=float, nargs="+", default=[30.0, 60.0, 90.0])
     parser.add_argument("--rate", type=float, default=300.0, help="requests/s for `scale`")
     parser.add_argument("--peak", type=float, default=60.0, help="peak requests/s of the diurnal day")
     parser.add_argument("--day-s", type=float, default=6 * 3600.0, help="length of the simulated day")
-    parser.add_argument("--startup", type=float, default=180.0)
-    parser.add_argument("--capacity", type=float, default=9.0, help="requests/s per replica, before measured")
+    parser.add_argument("--startup", type=float, default=180.0, help="the replicas' real start-up")
+    parser.add_argument("--prior-startup", type=float, default=60.0, help="sluice's start-up before measured")
+    parser.add_argument("--capacity", type=float, default=9.0, help="profiled requests/s per replica")
+    parser.add_argument("--lag-thresholds", type=int, nargs="+", default=[10, 50, 100, 200, 400, 800])
+    parser.add_argument("--planner-intervals", type=float, nargs="+", default=[180.0, 60.0])
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     args = parser.parse_args()
     experiments = {
-        "placement": placement, "workloads": workloads, "scaling": scaling, "seeds": seeds, "scale": scale,
+        "placement": placement, "workloads": workloads, "scaling": scaling, "llmd": llmd, "scale": scale,
     }  # fmt: skip
     experiments[args.experiment](args)
 

@@ -6,7 +6,9 @@ queued prompts (chunked prefill, as vLLM schedules it). A step takes
     step_s = decode_base_s + decode_per_seq_s * running + (prefill_per_token_s * chunk if prefilling)
 
 Between two events (an arrival, a prompt finishing its prefill, a sequence finishing) the step time is
-constant, so progress is linear and the replica jumps from event to event instead of stepping.
+constant, so progress is linear and the replica jumps from event to event instead of stepping. A
+prompt's first token comes at the end of the step in which its prefill finishes, so even a fully cached
+prompt waits out one step.
 
 KV: a sequence holds the blocks of its uncached prompt tokens and of its output; the prefix cache (the
 simulated engine's `PrefixCache`) keeps prompt blocks by chain hash in what is left, least recently used
@@ -66,6 +68,7 @@ class Request:
     output_tokens: int
     priority: str = "interactive"
     tenant: int = 0
+    max_tokens: int = 0  # what the client asked for (0: none); routers read this, never output_tokens
     placed_at: float = math.nan
     cached_tokens: int = 0
     first_token: float = math.nan
@@ -86,6 +89,7 @@ class Replica:
     index: int
     model: TimingModel
     ready_at: float = 0.0
+    launched_at: float = 0.0  # when the scaler asked for it; ready_at - launched_at is its start-up
     draining: bool = False
     retired_at: float = math.inf
     now: float = 0.0
@@ -99,26 +103,42 @@ class Replica:
     running_blocks: int = 0
     version: int = 0
     completed: int = 0
+    waiting_tokens: int = 0  # prompt tokens of the requests in `waiting`
     cache: PrefixCache = field(init=False)
+    cache_log: list[tuple[int, tuple[str, ...]]] | None = None  # inserts since the last heartbeat
 
     def __post_init__(self) -> None:
         self.cache = PrefixCache(self.model.kv_blocks)
 
-    # state the routers read
+    # state the routers read (the same figures vLLM reports, or a gateway tracks)
     @property
     def in_system(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     @property
     def queue(self) -> int:
-        return len(self.waiting) + len(self.prefilling)
+        """vLLM's num_requests_waiting: requests not yet scheduled (the prompt in prefill is running)."""
+        return len(self.waiting) + max(0, len(self.prefilling) - 1)
+
+    @property
+    def scheduled(self) -> int:
+        """vLLM's num_requests_running: decoding sequences plus the prompt in prefill."""
+        return len(self.running) + min(1, len(self.prefilling))
 
     @property
     def free_blocks(self) -> int:
         return self.model.kv_blocks - self.own_used
 
+    @property
+    def cache_size(self) -> int:
+        return len(self.cache)
+
+    def prefill_tokens(self) -> int:
+        """Prompt tokens routed here whose prefill has not finished (what Dynamo's router tracks)."""
+        return math.ceil(self.prefill_end - self.prefill_done) + self.waiting_tokens
+
     def prefill_blocks(self) -> int:
-        return math.ceil((self.prefill_end - self.prefill_done) / self.model.block_size)
+        return math.ceil(self.prefill_tokens() / self.model.block_size)
 
     def decode_blocks(self) -> int:
         return self.running_blocks
@@ -159,9 +179,12 @@ class Replica:
     # work
     def place(self, request: Request, now: float) -> None:
         self.advance(now)
+        if not self.prefilling and not self.running:
+            self.steps = math.ceil(self.steps - EPS)  # an idle engine starts a step when work arrives
         request.placed_at = now
         request.replica = self.index
         self.waiting.append(Seq(request, 0))
+        self.waiting_tokens += request.prompt_tokens
         self.admit()
 
     def admit(self) -> None:
@@ -179,11 +202,14 @@ class Replica:
                 else:
                     return
             self.waiting.popleft()
+            self.waiting_tokens -= r.prompt_tokens
             r.cached_tokens = matched * m.block_size
             seq.own_blocks = need
             self.own_used += need
             self.cache.capacity = max(1, m.kv_blocks - self.own_used)
             self.cache.insert(r.blocks)
+            if self.cache_log is not None:
+                self.cache_log.append((self.cache.capacity, r.blocks))
             if not self.prefilling:
                 self.prefill_done = self.prefill_end = max(self.prefill_done, self.prefill_end)
             self.prefill_end += uncached
@@ -196,7 +222,8 @@ class Replica:
         finished: list[Request] = []
         while self.prefilling and self.prefilling[0].cum_end <= self.prefill_done + EPS:
             seq = self.prefilling.popleft()
-            seq.request.first_token = now
+            # The step that finishes a prompt samples its first token when that step ends.
+            seq.request.first_token = now + (math.ceil(self.steps - EPS) - self.steps) * self.step_s()
             if seq.request.output_tokens <= 1:
                 finished.append(self._finish(seq, now))
                 continue

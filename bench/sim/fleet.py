@@ -2,8 +2,11 @@
 
 Discrete events on one heap. A replica posts its next event (a prompt done, a sequence done) whenever its
 state changes; a stale one is recognised by the replica's version and skipped. Heartbeats go out for every
-live replica each `heartbeat_s`, and after each round the hold is retried (interactive first, then batch,
-at most `max_misses` failures in a row), as the dispatcher does.
+live replica each `heartbeat_s`. Routers read views of the replicas (views.py): the replicas themselves
+(`exact`) or their last heartbeat plus the router's own placements since (`heartbeat`). A request a
+router holds waits in the hold, interactive ahead of batch and in arrival order within each, and the hold
+is retried (at most `max_misses` failures in a row) after every heartbeat round, every replica start and
+every finished request, for every router alike.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from bench.sim.engine import Replica, Request, TimingModel
+from bench.sim.metrics import Stats
 from bench.sim.routers import Router
+from bench.sim.views import Mode, ReplicaView, Snapshot
 
 
 @dataclass
@@ -32,6 +37,7 @@ class FleetState:
     starting: int
     draining: int
     completed_recent: dict[int, float]  # completions per second over the last 10 s, per ready replica
+    prefill_tokens: int = 0  # prompt tokens not yet prefilled: held, waiting and in prefill
 
 
 class Scaler(Protocol):
@@ -45,7 +51,7 @@ class Scaler(Protocol):
 
 @dataclass
 class Outcome:
-    requests: list[Request]
+    stats: Stats
     replica_seconds: float
     timeline: list[tuple[float, int, int, int]] = field(
         default_factory=list
@@ -68,21 +74,29 @@ class Fleet:
         scaler: Scaler | None = None,
         startup_s: float = 180.0,
         max_misses: int = 16,
+        views: Mode = "heartbeat",
+        by_minute: bool = False,
+        sink: list[Request] | None = None,
     ) -> None:
         self.router = router
+        self.sink = sink
+        self.mode = views
         self.model = model
         self.heartbeat_s = heartbeat_s
         self.scaler = scaler
         self.startup_s = startup_s
         self.max_misses = max_misses
         self.live: list[Replica] = [Replica(i, model) for i in range(replicas)]
+        self.views: dict[int, ReplicaView] = {r.index: self._view_of(r) for r in self.live}
         self._ids = itertools.count(replicas)
+        self._launched: dict[int, float] = {}
+        self._by_index: dict[int, Replica] = {}
         self.starting = 0
         self.hold: dict[str, deque[Request]] = {"interactive": deque(), "batch": deque()}
         self._heap: list[tuple[float, int, int, int]] = []
         self._tie = itertools.count()
         self.arrived = 0
-        self.done: list[Request] = []
+        self.stats = Stats(minutes={} if by_minute else None)
         self.replica_seconds = 0.0
         self._last_t = 0.0
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -93,6 +107,9 @@ class Fleet:
     def _push(self, t: float, kind: int, arg: int = 0) -> None:
         heapq.heappush(self._heap, (t, kind, next(self._tie), arg))
 
+    def _view_of(self, replica: Replica) -> ReplicaView:
+        return replica if self.mode == "exact" else Snapshot.of(replica)
+
     def _post(self, replica: Replica) -> None:
         replica.version += 1
         t = replica.next_event()
@@ -100,7 +117,7 @@ class Fleet:
             self._push(t, EVENT, replica.index * 1_000_000 + replica.version % 1_000_000)
 
     def run(self, arrivals: Iterator[Request], until: float, drain_s: float = 600.0) -> Outcome:
-        by_index = {r.index: r for r in self.live}
+        by_index = self._by_index = {r.index: r for r in self.live}
         pending = next(arrivals, None)
         if pending is not None:
             self._push(pending.arrival, ARRIVAL)
@@ -125,15 +142,22 @@ class Fleet:
                     continue
                 finished = replica.process(t)
                 for request in finished:
-                    self.done.append(request)
+                    self.stats.add(request)
+                    if self.sink is not None:
+                        self.sink.append(request)
                     self._completions.setdefault(replica.index, deque()).append(t)
                 self._post(replica)
                 if replica.draining and replica.in_system == 0:
                     self._retire(replica, by_index)
+                if finished and any(self.hold.values()):
+                    self._retry_hold(t)
             elif kind == BEAT:
-                for replica in self.live:
-                    if not replica.draining:
-                        self.router.on_heartbeat(replica, t)
+                if self.mode == "heartbeat":
+                    for replica in self.live:
+                        view = self.views[replica.index]
+                        assert isinstance(view, Snapshot)
+                        view.refresh()
+                self.router.observe(self._eligible(), t)
                 self._retry_hold(t)
                 if t < end and (pending is not None or self._busy()):
                     self._push(t + self.heartbeat_s, BEAT)
@@ -142,14 +166,16 @@ class Fleet:
                 if pending is not None or self._busy():
                     self._push(t + self.scaler.interval_s, SCALE)
             elif kind == READY:
-                replica = Replica(arg, self.model, ready_at=t, now=t)
+                launched = self._launched.pop(arg, t - self.startup_s)
+                replica = Replica(arg, self.model, ready_at=t, launched_at=launched, now=t)
                 self.starting -= 1
                 self.live.append(replica)
+                self.views[arg] = self._view_of(replica)
                 by_index[arg] = replica
-                self.router.on_heartbeat(replica, t)
+                self.router.observe(self._eligible(), t)
                 self._retry_hold(t)
         unfinished = sum(len(q) for q in self.hold.values()) + sum(r.in_system for r in self.live)
-        return Outcome(self.done, self.replica_seconds, self.timeline, unfinished, self.hold_peak)
+        return Outcome(self.stats, self.replica_seconds, self.timeline, unfinished, self.hold_peak)
 
     def _busy(self) -> bool:
         return any(self.hold.values()) or any(r.in_system for r in self.live)
@@ -158,14 +184,13 @@ class Fleet:
         self.replica_seconds += (t - self._last_t) * (len(self.live) + self.starting)
         self._last_t = t
 
-    def _eligible(self) -> list[Replica]:
-        return [r for r in self.live if not r.draining]
+    def _eligible(self) -> list[ReplicaView]:
+        return [self.views[r.index] for r in self.live if not r.draining]
 
     def _offer(self, request: Request, t: float) -> None:
-        if any(self.hold.values()) and request.priority == "batch":
-            self.hold["batch"].append(request)  # behind the batch requests already waiting
-        elif not self._place_now(request, t):
-            self.hold[request.priority].append(request)
+        ahead = self.hold["interactive"] or (request.priority == "batch" and self.hold["batch"])
+        if ahead or not self._place_now(request, t):
+            self.hold[request.priority].append(request)  # behind those of its class already waiting
         self.hold_peak = max(self.hold_peak, sum(len(q) for q in self.hold.values()))
 
     def _retry_hold(self, t: float) -> None:
@@ -185,9 +210,15 @@ class Fleet:
             queue.extendleft(reversed(failed))
 
     def _place_now(self, request: Request, t: float) -> bool:
-        replica = self.router.route(request, self._eligible(), t)
-        if replica is None:
+        views = self._eligible()
+        if self.mode == "exact":
+            self.router.observe(views, t)  # every decision reads the state of this moment
+        view = self.router.route(request, views, t)
+        if view is None:
             return False
+        if isinstance(view, Snapshot):
+            view.placed(request, record=getattr(self.router, "records_placements", False))
+        replica = self._by_index[view.index]
         replica.place(request, t)
         self._post(replica)
         return True
@@ -195,7 +226,7 @@ class Fleet:
     # scaling
     def _scale(self, t: float, by_index: dict[int, Replica]) -> None:
         assert self.scaler is not None
-        ready = self._eligible()
+        ready = [r for r in self.live if not r.draining]
         recent: dict[int, float] = {}
         for r in ready:
             times = self._completions.setdefault(r.index, deque())
@@ -203,13 +234,19 @@ class Fleet:
                 times.popleft()
             recent[r.index] = len(times) / 10.0
         draining = sum(1 for r in self.live if r.draining)
-        backlog = sum(len(q) for q in self.hold.values()) + sum(len(r.waiting) for r in ready)
-        state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent)
+        held = sum(len(q) for q in self.hold.values())
+        backlog = held + sum(r.queue for r in ready)
+        prefill = sum(r.prompt_tokens for q in self.hold.values() for r in q) + sum(
+            r.prefill_tokens() for r in ready
+        )
+        state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent, prefill)
         target = self.scaler.target(state)
         current = len(ready) + self.starting
         for _ in range(max(0, target - current)):
             self.starting += 1
-            self._push(t + self.startup_s, READY, next(self._ids))
+            index = next(self._ids)
+            self._launched[index] = t
+            self._push(t + self.startup_s, READY, index)
         if target < current and ready:
             victim = min(ready, key=lambda r: r.in_system)
             victim.draining = True
@@ -220,6 +257,7 @@ class Fleet:
     def _retire(self, replica: Replica, by_index: dict[int, Replica]) -> None:
         self.live.remove(replica)
         by_index.pop(replica.index, None)
+        self.views.pop(replica.index, None)
 
 
 def simulate(
@@ -232,8 +270,12 @@ def simulate(
     scaler: Scaler | None = None,
     startup_s: float = 180.0,
     heartbeat_s: float = 0.5,
+    views: Mode = "heartbeat",
+    by_minute: bool = False,
+    sink: list[Request] | None = None,
 ) -> Outcome:
     fleet = Fleet(
-        router_factory(), model, replicas, scaler=scaler, startup_s=startup_s, heartbeat_s=heartbeat_s
-    )
+        router_factory(), model, replicas, scaler=scaler, startup_s=startup_s, heartbeat_s=heartbeat_s,
+        views=views, by_minute=by_minute, sink=sink,
+    )  # fmt: skip
     return fleet.run(requests(random.Random(seed)), duration_s)

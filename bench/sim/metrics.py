@@ -1,15 +1,60 @@
-"""What a simulated run measured: latency percentiles, throughput, prefix-cache hits, SLOs, cost."""
+"""What a simulated run measured: latency percentiles, throughput, prefix-cache hits, SLOs, cost.
+
+Finished requests are folded into `Stats` as they finish, so a run's memory does not grow with its
+length: latencies go into `Sketch`es (log-spaced buckets, 0.5% relative error) instead of lists.
+"""
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from bench.sim.engine import Request
-from bench.sim.fleet import Outcome
+
+if TYPE_CHECKING:
+    from bench.sim.fleet import Outcome
 
 GPUS_PER_REPLICA = 4
+TTFT_SLO_S = 2.0
+ITL_SLO_S = 0.1
+
+
+class Sketch:
+    """A streaming quantile sketch: counts per log-spaced bucket, each `accuracy` wide in relative terms.
+
+    A quantile is answered with the midpoint of its bucket, within `accuracy` of the exact value (the
+    scheme of DDSketch). Zero and negative values share one bucket and are answered as 0.
+    """
+
+    def __init__(self, accuracy: float = 0.005) -> None:
+        self.gamma = (1 + accuracy) / (1 - accuracy)
+        self._log_gamma = math.log(self.gamma)
+        self.buckets: Counter[int] = Counter()
+        self.zeros = 0
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        if value <= 0:
+            self.zeros += 1
+        else:
+            self.buckets[math.ceil(math.log(value) / self._log_gamma)] += 1
+
+    def quantile(self, q: float) -> float:
+        """The value at rank int(q x count) of the sorted values (as `percentile` ranks); nan if empty."""
+        if not self.count:
+            return math.nan
+        rank = min(self.count - 1, int(q * self.count))
+        if rank < self.zeros:
+            return 0.0
+        seen = self.zeros
+        for key in sorted(self.buckets):
+            seen += self.buckets[key]
+            if seen > rank:
+                return 2 * self.gamma**key / (self.gamma + 1)
+        raise AssertionError("rank beyond the count")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -17,6 +62,44 @@ def percentile(values: list[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class ClassStats:
+    """Finished requests of one priority class."""
+
+    finished: int = 0
+    good: int = 0  # met both the TTFT and the inter-token SLO
+    cold: int = 0  # found none of their prompt cached where they ran
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: Sketch = field(default_factory=Sketch)
+    itl: Sketch = field(default_factory=Sketch)
+
+
+@dataclass
+class Stats:
+    by_class: dict[str, ClassStats] = field(default_factory=lambda: defaultdict(ClassStats))
+    output_tokens: int = 0
+    last_done: float = 0.0
+    minutes: dict[int, Sketch] | None = None  # interactive TTFT by minute of arrival, when asked for
+
+    def add(self, r: Request) -> None:
+        c = self.by_class[r.priority]
+        c.finished += 1
+        ttft = r.first_token - r.arrival
+        c.ttft.add(ttft)
+        itl = (r.done - r.first_token) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        if r.output_tokens > 1:
+            c.itl.add(itl)
+        c.good += ttft <= TTFT_SLO_S and itl <= ITL_SLO_S
+        c.cold += r.cached_tokens == 0
+        c.prompt_tokens += r.prompt_tokens
+        c.cached_tokens += r.cached_tokens
+        self.output_tokens += r.output_tokens
+        self.last_done = max(self.last_done, r.done)
+        if self.minutes is not None and r.priority == "interactive":
+            self.minutes.setdefault(int(r.arrival // 60), Sketch()).add(ttft)
 
 
 @dataclass(frozen=True)
@@ -33,48 +116,32 @@ class Summary:
     hit_rate: float
     slo_attainment: float
     gpu_hours: float
+    cold: int
 
 
-def summarize(
-    outcome: Outcome,
-    ttft_slo_s: float = 2.0,
-    itl_slo_s: float = 0.1,
-    priority: str = "interactive",
-) -> Summary:
-    done = [r for r in outcome.requests if r.priority == priority]
-    ttft = [r.first_token - r.arrival for r in done]
-    itl = [(r.done - r.first_token) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    end = max((r.done for r in outcome.requests), default=1.0)
-    tokens = sum(r.output_tokens for r in outcome.requests)
-    prompt = sum(r.prompt_tokens for r in done) or 1
-    good = sum(
-        1
-        for r in done
-        if r.first_token - r.arrival <= ttft_slo_s
-        and (r.output_tokens <= 1 or (r.done - r.first_token) / (r.output_tokens - 1) <= itl_slo_s)
-    )
-    total = len(done) + outcome.unfinished if priority == "interactive" else len(done)
+def summarize(outcome: Outcome, priority: str = "interactive") -> Summary:
+    stats = outcome.stats
+    c = stats.by_class.get(priority, ClassStats())
+    total = c.finished + outcome.unfinished if priority == "interactive" else c.finished
     return Summary(
         requests=total,
-        finished=len(done),
-        ttft_p50=percentile(ttft, 0.5),
-        ttft_p90=percentile(ttft, 0.9),
-        ttft_p99=percentile(ttft, 0.99),
-        itl_p50=percentile(itl, 0.5),
-        itl_p90=percentile(itl, 0.9),
-        itl_p99=percentile(itl, 0.99),
-        tokens_per_s=tokens / end,
-        hit_rate=sum(r.cached_tokens for r in done) / prompt,
-        slo_attainment=good / max(1, total),
+        finished=c.finished,
+        ttft_p50=c.ttft.quantile(0.5),
+        ttft_p90=c.ttft.quantile(0.9),
+        ttft_p99=c.ttft.quantile(0.99),
+        itl_p50=c.itl.quantile(0.5),
+        itl_p90=c.itl.quantile(0.9),
+        itl_p99=c.itl.quantile(0.99),
+        tokens_per_s=stats.output_tokens / (stats.last_done or 1.0),
+        hit_rate=c.cached_tokens / (c.prompt_tokens or 1),
+        slo_attainment=c.good / max(1, total),
         gpu_hours=outcome.replica_seconds * GPUS_PER_REPLICA / 3600,
+        cold=c.cold,
     )
 
 
-def violation_minutes(requests: list[Request], duration_s: float, ttft_slo_s: float, unfinished: int) -> int:
+def violation_minutes(stats: Stats, duration_s: float, ttft_slo_s: float, unfinished: int) -> int:
     """Minutes whose arrivals had a p90 time to first token over the SLO (unstarted ones count as over)."""
-    by_minute: dict[int, list[float]] = defaultdict(list)
-    for r in requests:
-        if r.priority == "interactive":
-            by_minute[int(r.arrival // 60)].append(r.first_token - r.arrival)
-    bad = sum(1 for m, v in by_minute.items() if m * 60 < duration_s and percentile(v, 0.9) > ttft_slo_s)
+    assert stats.minutes is not None, "the run was not asked to keep TTFT by minute"
+    bad = sum(1 for m, s in stats.minutes.items() if m * 60 < duration_s and s.quantile(0.9) > ttft_slo_s)
     return bad + (1 if unfinished else 0)

@@ -1,5 +1,8 @@
 """Traffic for the fleet simulator: each workload yields requests in arrival order. Seeded, so repeatable.
 
+Every request carries the `max_tokens` its client would send (a cap above its true output length);
+routers see that, never the true length.
+
 Prompts are sequences of block hashes: blocks of a shared context carry the context's name and position,
 blocks of a request's own text its id, so two prompts share exactly the leading blocks they share in text
 (the chain-hash property of the project's prefix hashes).
@@ -56,7 +59,7 @@ def shared_prefix(
             question = rng.randint(50, 250)
             prompt = context + question
             blocks = blocks_of(f"t{tenant}", 0, context // BLOCK) + blocks_of(f"q{rid}", 0, question // BLOCK)
-            yield Request(rid, t, blocks, prompt, rng.randint(100, 300), tenant=tenant)
+            yield Request(rid, t, blocks, prompt, rng.randint(100, 300), tenant=tenant, max_tokens=512)
 
     return Workload(
         "shared-prefix", duration_s, gen,
@@ -82,7 +85,7 @@ def multi_turn(rate: float = 6.0, turns: int = 6, duration_s: float = 600.0) -> 
             prompt = history + message
             out = rng.randint(80, 400)
             blocks = blocks_of(f"s{session}", 0, prompt // BLOCK)
-            yield Request(rid, t, blocks, prompt, out, tenant=session)
+            yield Request(rid, t, blocks, prompt, out, tenant=session, max_tokens=1024)
             rid += 1
             if turn + 1 < turns:
                 think = rng.uniform(10, 40)
@@ -104,7 +107,7 @@ def bursty_code(rate: float = 30.0, burst: float = 4.0, duration_s: float = 600.
             context = 2000 + (repo * 150) % 6000
             edit = rng.randint(20, 200)
             blocks = blocks_of(f"repo{repo}", 0, context // BLOCK) + blocks_of(f"e{rid}", 0, edit // BLOCK)
-            yield Request(rid, t, blocks, context + edit, rng.randint(10, 60), tenant=repo)
+            yield Request(rid, t, blocks, context + edit, rng.randint(10, 60), tenant=repo, max_tokens=128)
 
     return Workload("bursty-code", duration_s, gen, f"40 repositories, {rate:g} req/s in x{burst:g} bursts")
 
@@ -125,7 +128,9 @@ def diurnal(peak: float = 6.0, day_s: float = 24 * 3600.0) -> Workload:
             blocks = blocks_of(f"sys{sysprompt}", 0, 1000 // BLOCK) + blocks_of(
                 f"d{rid}", 0, question // BLOCK
             )
-            yield Request(rid, t, blocks, 1000 + question, rng.randint(100, 400), tenant=sysprompt)
+            yield Request(
+                rid, t, blocks, 1000 + question, rng.randint(100, 400), tenant=sysprompt, max_tokens=512
+            )
 
     return Workload("diurnal", day_s, gen, f"a day, peak {peak:g} req/s in the evening ramp")
 
@@ -137,7 +142,7 @@ def batch_flood(rate: float = 20.0, batch: int = 20_000, duration_s: float = 600
     def gen(rng: random.Random) -> Iterator[Request]:
         flood = [
             Request(1_000_000 + i, 60.0 + i * 1e-4, blocks_of(f"b{i}", 0, 40), 640, rng.randint(200, 600),
-                    priority="batch")
+                    priority="batch", max_tokens=1024)
             for i in range(batch)
         ]  # fmt: skip
         merged = sorted([*interactive.requests(rng), *flood], key=lambda r: r.arrival)

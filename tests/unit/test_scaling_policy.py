@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,19 +73,6 @@ def ours(policy: ScalingPolicy) -> Callable[[Fleet, float, ArrivalEstimator], Ve
     return scale
 
 
-def keda_lag_rule(threshold: float) -> Callable[[Fleet, float, ArrivalEstimator], Verdict]:
-    """KEDA's Kafka rule: replicas = ceil(lag / lagThreshold), reactive, with the same start-up delay."""
-
-    def scale(fleet: Fleet, now: float, est: ArrivalEstimator) -> Verdict:
-        want = max(1, math.ceil(fleet.backlog / threshold))
-        current = fleet.ready + len(fleet.starting)
-        if want > current:
-            return Verdict("up", want, want, 0.0, "lag rule")
-        return Verdict("hold", current, want, 0.0, "lag rule")
-
-    return scale
-
-
 POLICY = ScalingPolicy(min_replicas=1, max_replicas=16, queue_slo_s=SLO_S, cooldown_s=300)
 
 
@@ -95,11 +81,9 @@ def test_a_ramp_is_met_ahead_of_a_three_minute_start_up() -> None:
         return 2 + 38 * min(1.0, t / 900)  # 2 -> 40 req/s over 15 minutes
 
     forecasting = run(ramp, ours(POLICY), duration=1800)
-    reactive = run(ramp, keda_lag_rule(threshold=CAPACITY * SLO_S), duration=1800)
+    # Replicas are asked for a start-up ahead of need, so the queue SLO holds all along the ramp.
     assert forecasting.violation_s <= 60, f"forecasting policy broke the SLO for {forecasting.violation_s} s"
-    assert reactive.violation_s >= 300, f"reactive lag rule broke the SLO for only {reactive.violation_s} s"
-    assert forecasting.violation_s < reactive.violation_s
-    print(f"SLO violated: forecasting {forecasting.violation_s:.0f} s, lag rule {reactive.violation_s:.0f} s")
+    assert "up" in forecasting.actions
 
 
 def test_a_spike_then_calm_does_not_flap() -> None:
