@@ -1,7 +1,9 @@
 """A model-free engine: deterministic text, a timing model, and real KV block accounting.
 
 Tokens are UTF-8 bytes (the `bytes` tokenizer), and the text is ASCII, so one character is one token.
-Time to first token grows with the prompt length; each further token costs `token_ms`.
+Timing `per_request`: time to first token grows with the prompt length; each further token costs
+`token_ms`. Timing `batched`: requests share engine steps (`BatchClock`), as the fleet simulator models
+a replica.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from gpu_workers.batch_clock import BatchClock, Running
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.json_sample import Budget, UnsupportedSchema, sample
 from gpu_workers.prefix_cache import PrefixCache
@@ -88,12 +91,14 @@ class SimulatedEngine:
         self._prefix_hits = 0
         self._generated = 0
         self._dead: str | None = None
+        self._clock = BatchClock(config) if config.timing == "batched" else None
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
-        return None
+        if self._clock is not None:
+            await self._clock.close()
 
     def failure(self) -> str | None:
         return self._dead
@@ -153,15 +158,21 @@ class SimulatedEngine:
             self._waiting -= 1
         rid = request.request_id
         self._running.add(rid)
+        seq: Running | None = None
         try:
             cached = self._cache_prompt(request.block_hashes) * self._block_size
             self._prefix_queries += prompt_tokens
             self._prefix_hits += cached
-            # Prefill: a fixed cost plus a cost per prompt token the cache did not hold.
             uncached = prompt_tokens - cached
-            await asyncio.sleep((self._config.ttft_ms + uncached * self._config.prefill_ms_per_token) / 1000)
+            seq = self._clock.start(uncached) if self._clock is not None else None
+            if seq is None:  # prefill: a fixed cost plus a cost per prompt token the cache did not hold
+                await asyncio.sleep(
+                    (self._config.ttft_ms + uncached * self._config.prefill_ms_per_token) / 1000
+                )
             for i, ch in enumerate(text):
-                if i:
+                if seq is not None:
+                    await seq.tokens.get()  # the end of the step that gives this sequence its token
+                elif i:
                     await asyncio.sleep(self._config.token_ms / 1000)
                 if i == self._config.fail_after_tokens:
                     if self._config.fault_kind == "bug":
@@ -181,6 +192,8 @@ class SimulatedEngine:
             if not text:
                 yield EngineOutput("", 0, reason, prompt_tokens, cached)
         finally:
+            if self._clock is not None and seq is not None:
+                self._clock.leave(seq)
             self._running.discard(rid)
             self._blocks_used.pop(rid, None)
             self._slots.release()

@@ -22,9 +22,19 @@ class SimulatedEngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    timing: Literal["per_request", "batched"] = Field(
+        default="per_request",
+        description="per_request: each request sleeps its own TTFT and token times; batched: engine steps "
+        "shared by all running requests (gpu_workers/batch_clock.py, the fleet simulator's model)",
+    )
     ttft_ms: float = Field(default=40.0, ge=0.0, description="fixed cost of a prefill")
     prefill_ms_per_token: float = Field(default=0.002, ge=0.0, description="prefill cost per uncached token")
     token_ms: float = Field(default=8.0, ge=0.0)
+    step_ms: float = Field(default=15.0, gt=0.0, description="batched: fixed cost of one engine step")
+    step_ms_per_seq: float = Field(
+        default=0.15, ge=0.0, description="batched: step cost per decoding sequence"
+    )
+    chunk_tokens: int = Field(default=2048, gt=0, description="batched: prompt tokens prefilled per step")
     kv_blocks: int = Field(default=4096, gt=0)
     max_running: int = Field(default=64, gt=0)
     min_words: int = Field(default=12, gt=0, description="shortest natural answer, in words")

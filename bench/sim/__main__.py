@@ -88,10 +88,8 @@ def run_one(run: Run) -> Result:
 
 def spread(values: Sequence[float], fmt: str) -> str:
     """Median [min-max] of a figure over seeds."""
-    mid = statistics.median(values)
-    if min(values) == max(values):
-        return format(mid, fmt)
-    return f"{format(mid, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+    mid, lo, hi = (format(v, fmt) for v in (statistics.median(values), min(values), max(values)))
+    return mid if lo == hi else f"{mid} [{lo}-{hi}]"
 
 
 def ttft_ms(seconds: float) -> str:

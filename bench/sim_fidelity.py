@@ -1,0 +1,224 @@
+"""The fleet simulator against the live stack: one trace, one timing model, two runs, side by side.
+
+The trace: shared-prefix chat (12 tenants, each with a 3,000-character context, 50-250-character
+questions, 100-300 tokens out) with Poisson arrivals at each rate. It runs through `sluice dev` (the
+simulated engine with `batched` timing: engine steps shared by the running requests, as the simulator
+models a replica; 2 workers) with streamed chat completions over HTTP, and through `bench/sim` with the
+same timing model, the same prompts (token counts and prefix hashes computed as the ingress computes
+them), the project's placement and heartbeat views of the workers' heartbeat age.
+
+Printed per rate: TTFT p50/p90 and output tokens/s of both, and sim / live.
+
+Run: `.venv/bin/python -m bench.sim_fidelity [--rates 3 6 9] [--duration 60]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.pipeline_latency import percentile
+from bench.sim.engine import Request, TimingModel
+from bench.sim.fleet import simulate
+from bench.sim.routers import make_router
+from infra.devstack import DEV_TEAM, DevStack, Endpoints
+from queue_schemas.openai_types import ChatMessage
+from queue_schemas.prefix import block_hashes, cache_salt
+from queue_schemas.tokenizer import ByteTokenizer
+
+WORKERS = 2
+BLOCK = 16
+STEP_MS, STEP_MS_PER_SEQ, PREFILL_MS_PER_TOKEN, CHUNK = 20.0, 0.5, 0.02, 2048
+KV_BLOCKS, MAX_RUNNING = 40_000, 32
+HEARTBEAT_S = 1.0  # the workers' heartbeat interval
+
+CONFIG = f"""
+[[pools]]
+name = "sim"
+model = "sluice-sim"
+engine = "simulated"
+tokenizer = "bytes"
+context_tokens = 8192
+default_max_tokens = 128
+block_size = {BLOCK}
+partitions = 4
+max_queued = 100000
+
+[pools.simulated]
+timing = "batched"
+step_ms = {STEP_MS}
+step_ms_per_seq = {STEP_MS_PER_SEQ}
+prefill_ms_per_token = {PREFILL_MS_PER_TOKEN}
+chunk_tokens = {CHUNK}
+kv_blocks = {KV_BLOCKS}
+max_running = {MAX_RUNNING}
+min_words = 200
+max_words = 200
+
+[pools.scaling]
+min_replicas = {WORKERS}
+max_replicas = {WORKERS}
+"""
+
+MODEL = TimingModel(
+    decode_base_s=STEP_MS / 1000, decode_per_seq_s=STEP_MS_PER_SEQ / 1000,
+    prefill_per_token_s=PREFILL_MS_PER_TOKEN / 1000, chunk_tokens=CHUNK, kv_blocks=KV_BLOCKS,
+    block_size=BLOCK, max_seqs=MAX_RUNNING,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Item:
+    at: float
+    text: str
+    output: int
+
+
+def trace(rate: float, duration: float, seed: int) -> list[Item]:
+    rng = random.Random(seed)
+    words = ["queues", "carry", "requests", "to", "replicas", "whose", "caches", "hold", "their", "context"]
+    contexts = [
+        f"tenant {t}: " + " ".join(rng.choice(words) for _ in range(600)) for t in range(12)
+    ]  # fmt: skip
+    contexts = [c[:3000] for c in contexts]
+    items: list[Item] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return items
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))[: rng.randint(50, 250)]
+        items.append(Item(t, f"{rng.choice(contexts)}\n\nQuestion: {question}", rng.randint(100, 300)))
+
+
+def sim_requests(items: list[Item], team: str) -> list[Request]:
+    tokenizer, salt = ByteTokenizer(), cache_salt(team, False)
+    out = []
+    for rid, item in enumerate(items):
+        tokens = tokenizer.encode_chat([ChatMessage(role="user", content=item.text)])
+        blocks = tuple(block_hashes(tokens, BLOCK, salt=salt))
+        out.append(Request(rid, item.at, blocks, len(tokens), item.output, max_tokens=item.output))
+    return out
+
+
+@dataclass
+class Figures:
+    ttft_p50: float
+    ttft_p90: float
+    tokens_per_s: float
+    completed: int
+
+
+def simulated(items: list[Item], team: str, seed: int) -> Figures:
+    requests = sim_requests(items, team)
+    done: list[Request] = []
+
+    def gen(_: random.Random) -> Iterator[Request]:
+        return iter(requests)
+
+    end = items[-1].at
+    simulate(
+        functools.partial(make_router, "sluice", seed), MODEL, gen, end, WORKERS, seed=seed,
+        heartbeat_s=HEARTBEAT_S, views="heartbeat", sink=done,
+    )  # fmt: skip
+    ttft = [r.first_token - r.arrival for r in done]
+    last = max(r.done for r in done)
+    return Figures(
+        percentile(ttft, 0.5), percentile(ttft, 0.9), sum(r.output_tokens for r in done) / last, len(done)
+    )
+
+
+async def one(
+    client: httpx.AsyncClient, endpoints: Endpoints, item: Item, t0: float
+) -> tuple[float, float, int]:
+    """(TTFT, end time from the trace's start, output tokens) of one streamed request, sent on time."""
+    await asyncio.sleep(max(0.0, t0 + item.at - time.perf_counter()))
+    body = {
+        "model": "sluice-sim", "stream": True, "max_tokens": item.output,
+        "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": item.text}],
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {endpoints.api_key}"}
+    sent = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if first is None and '"content":"' in line and '"content":""' not in line:
+                first = time.perf_counter() - sent
+            elif '"completion_tokens":' in line:
+                tokens = int(line.split('"completion_tokens":')[1].split(",")[0].rstrip("}"))
+            if line == "data: [DONE]":
+                break
+    if first is None:
+        raise RuntimeError("stream ended without content")
+    return first, time.perf_counter() - t0, tokens
+
+
+async def live(endpoints: Endpoints, items: list[Item]) -> Figures:
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        warm = Item(0.0, "warm up", 4)
+        await one(client, endpoints, warm, time.perf_counter())
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, endpoints, item, t0) for item in items))
+    ttft = [r[0] for r in results]
+    last = max(r[1] for r in results)
+    return Figures(
+        percentile(ttft, 0.5), percentile(ttft, 0.9), sum(r[2] for r in results) / last, len(results)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rates", type=float, nargs="+", default=[3.0, 6.0, 9.0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "pools.toml"
+        config.write_text(CONFIG)
+        stack = DevStack(Path(tmp) / "stack", config_path=config)
+        endpoints = stack.start()
+        try:
+            for i, rate in enumerate(args.rates):
+                items = trace(rate, args.duration, args.seed + i)
+                real = asyncio.run(live(endpoints, items))
+                sim = simulated(items, DEV_TEAM, args.seed + i)
+                rows.append((rate, len(items), real, sim))
+                print(f"rate {rate:g}: live {real}, sim {sim}", flush=True)
+        finally:
+            stack.stop()
+    print(
+        f"\n{WORKERS} workers; step {STEP_MS:g} ms + {STEP_MS_PER_SEQ:g} ms per decoding sequence "
+        f"+ {PREFILL_MS_PER_TOKEN * CHUNK:g} ms while prefilling ({CHUNK} tokens a step); "
+        f"{args.duration:g} s per rate"
+    )
+    print("| req/s | requests | TTFT p50 ms live / sim | TTFT p90 ms live / sim | tokens/s live / sim "
+          "| sim / live: p50, p90, tokens/s |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
+    for rate, n, real, sim in rows:
+        print(
+            f"| {rate:g} | {n} | {real.ttft_p50 * 1000:.0f} / {sim.ttft_p50 * 1000:.0f} "
+            f"| {real.ttft_p90 * 1000:.0f} / {sim.ttft_p90 * 1000:.0f} "
+            f"| {real.tokens_per_s:,.0f} / {sim.tokens_per_s:,.0f} "
+            f"| {sim.ttft_p50 / real.ttft_p50:.2f}, {sim.ttft_p90 / real.ttft_p90:.2f}, "
+            f"{sim.tokens_per_s / real.tokens_per_s:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

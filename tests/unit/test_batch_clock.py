@@ -1,0 +1,65 @@
+"""The simulated engine's batched timing: steps shared by every running request, counted exactly."""
+
+import asyncio
+from collections import deque
+
+import pytest
+
+from gpu_workers.batch_clock import Running, prefill_step, step_s
+from gpu_workers.simulated import SimulatedEngine, reply_text
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.messages import InferenceRequest, SamplingParams
+
+CONFIG = SimulatedEngineConfig(
+    timing="batched", step_ms=1.0, step_ms_per_seq=0.0, prefill_ms_per_token=0.0, chunk_tokens=2048,
+    kv_blocks=4096, min_words=40, max_words=40,
+)  # fmt: skip
+
+
+def request(rid: str, prompt_tokens: int, max_tokens: int) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=rid * 16, pool="sim", model="m", team="t", prompt_token_ids=tuple([7] * prompt_tokens),
+        sampling=SamplingParams(max_tokens=max_tokens), created_at=0.0, deadline=1e12,
+    )  # fmt: skip
+
+
+def test_a_step_costs_its_base_its_decoding_sequences_and_a_prefill_chunk() -> None:
+    config = SimulatedEngineConfig(
+        step_ms=15, step_ms_per_seq=0.5, prefill_ms_per_token=0.01, chunk_tokens=1000
+    )
+    assert step_s(config, 0, False) == pytest.approx(0.015)
+    assert step_s(config, 10, False) == pytest.approx(0.020)
+    assert step_s(config, 10, True) == pytest.approx(0.030)
+
+
+def test_a_steps_prefill_budget_goes_to_the_waiting_prompts_in_order() -> None:
+    a, b, c = Running(1500), Running(400), Running(900)
+    waiting = deque([a, b, c])
+    assert prefill_step(waiting, 2048) == [a, b]
+    assert (c.prefill_left, list(waiting)) == (752, [c])
+    assert prefill_step(waiting, 2048) == [c]
+    assert not waiting
+
+
+async def tokens(engine: SimulatedEngine, req: InferenceRequest) -> str:
+    return "".join([out.text async for out in engine.generate(req)])
+
+
+async def test_one_request_takes_its_prefill_steps_then_a_step_per_token() -> None:
+    engine = SimulatedEngine(CONFIG, block_size=16)
+    text = await tokens(engine, request("a", 3000, 5))  # two prefill steps, then four more tokens
+    assert text == reply_text(request("a", 3000, 5))[:5]
+    assert engine._clock is not None
+    assert engine._clock.steps == 2 + 4
+    await engine.close()
+
+
+async def test_concurrent_requests_share_steps() -> None:
+    engine = SimulatedEngine(CONFIG, block_size=16)
+    both = await asyncio.gather(tokens(engine, request("a", 1000, 5)), tokens(engine, request("b", 1000, 5)))
+    assert [len(t) for t in both] == [5, 5]
+    assert engine._clock is not None
+    assert engine._clock.steps == 1 + 4  # one step prefills both prompts; each step then decodes both
+    stats = engine.stats()
+    assert (stats.running, stats.kv_blocks_free) == (0, 4096)
+    await engine.close()
