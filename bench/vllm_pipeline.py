@@ -8,13 +8,19 @@ httpx streaming client. Each concurrency level sends `rounds` requests per strea
 The direct runs come before and after the pipeline run and are averaged, so drift in the machine's
 speed during the run does not land on one side; their spread is printed as a noise floor.
 
-Run: `.venv/bin/python -m bench.vllm_pipeline` (SmolLM2 is prepared in .sluice/models on first use).
+With `--pin`, the engine's process runs on core 0 and everything else (the benchmark client, and in the
+pipeline run the broker, Redis and every service) on core 1, so the comparison measures the pipeline's
+cost rather than its processes taking CPU from the engine; without it, the scheduler places them.
+
+Run: `.venv/bin/python -m bench.vllm_pipeline [--pin]` (SmolLM2 is prepared in .sluice/models on first
+use).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
@@ -26,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from infra.devstack import DevStack, Endpoints
+from infra.launcher import child_pids
 from infra.models import prepare_smollm2
 
 MODEL = "smollm2-135m-instruct"
@@ -54,6 +61,47 @@ max_replicas = 1
 
 Sample = tuple[float, int]  # (seconds to first token, completion tokens) of one request
 TOPICS = ["queues", "rivers", "bridges", "gardens", "clocks", "maps", "ships", "trains"]
+
+
+ENGINE_CORE, OTHER_CORE = 0, 1
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], child_pids(pid)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(child_pids(child))
+    return found
+
+
+def is_engine(pid: int) -> bool:
+    """vLLM's engine core process (it renames itself VLLM::EngineCore)."""
+    try:
+        return "EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def pin(pid: int, core: int) -> None:
+    """Every thread of the process onto one core."""
+    with contextlib.suppress(OSError):  # the process has ended
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # the thread has ended
+                os.sched_setaffinity(int(task.name), {core})
+
+
+def pin_all() -> int:
+    """The engine processes under this one to ENGINE_CORE, the rest (this one included) to OTHER_CORE;
+    returns how many engine processes were found."""
+    engines = 0
+    for pid in [os.getpid(), *descendants(os.getpid())]:
+        if is_engine(pid):
+            engines += 1
+            pin(pid, ENGINE_CORE)
+        else:
+            pin(pid, OTHER_CORE)
+    return engines
 
 
 def question(i: int) -> str:
@@ -88,7 +136,7 @@ async def _concurrently(concurrency: int, rounds: int, one: Callable[[int], Awai
     return Run([t for t, _ in results], sum(n for _, n in results), seconds)
 
 
-async def direct(source: Path, levels: list[int], rounds: int) -> dict[int, Run]:
+async def direct(source: Path, levels: list[int], rounds: int, pinned: bool) -> dict[int, Run]:
     from gpu_workers.vllm_engine import VllmEngine
     from queue_schemas.config import parse_config
     from queue_schemas.messages import InferenceRequest, SamplingParams
@@ -100,6 +148,8 @@ async def direct(source: Path, levels: list[int], rounds: int) -> dict[int, Run]
     tok = HFTokenizer(source)
     engine = VllmEngine(pool, ModelStore(MODELS), spec_decoding=False)
     await engine.start()
+    if pinned and pin_all() != 1:
+        raise RuntimeError("expected one vLLM engine process to pin")
     counter = 0
 
     async def one(i: int) -> Sample:
@@ -170,24 +220,32 @@ def main() -> None:
     )
     parser.add_argument("--levels", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pin", action="store_true", help="engine on core 0, everything else on core 1")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source = prepare_smollm2(MODELS / MODEL, MODELS / "downloads").resolve()
 
-    before = asyncio.run(direct(source, levels, args.rounds))
+    if args.pin:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine's one OpenMP thread
+    before = asyncio.run(direct(source, levels, args.rounds, args.pin))
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "pools.toml"
         config.write_text(CONFIG.format(model=MODEL, source=source))
         stack = DevStack(Path(tmp), config_path=config)
         endpoints = stack.start()
         try:
+            if args.pin and pin_all() != 1:
+                raise RuntimeError("expected one vLLM engine process to pin in the stack")
             pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds))
         finally:
             stack.stop()
-    after = asyncio.run(direct(source, levels, args.rounds))
+    after = asyncio.run(direct(source, levels, args.rounds, args.pin))
 
-    print(f"SmolLM2-135M-Instruct on vLLM (CPU, 1 engine thread), {MAX_TOKENS} max tokens, greedy")
+    placement = "engine on core 0, the rest on core 1" if args.pin else "unpinned"
+    print(
+        f"SmolLM2-135M-Instruct on vLLM (CPU, 1 engine thread, {placement}), {MAX_TOKENS} max tokens, greedy"
+    )
     print(
         "streams | direct tok/s (before/after) | pipeline tok/s | ratio | direct TTFT p50 | pipeline | added"
     )

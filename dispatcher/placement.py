@@ -29,6 +29,11 @@ class PlacementPolicy:
     max_queue: int = 64
     expected_output_tokens: int = 256
     batch_headroom_fraction: float = 0.25
+    # A request is not sent where it would prefill `spill_tokens` or more tokens than on a worker that
+    # holds more of its prompt but cannot take it now (queue full, KV short); it waits in the hold for
+    # that worker, for up to `spill_after_s`, and only then goes wherever it fits.
+    spill_tokens: int = 2048
+    spill_after_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,7 @@ class Demand:
     block_hashes: Sequence[str]
     max_tokens: int
     priority: Priority = Priority.INTERACTIVE
+    waited_s: float = 0.0  # how long it has been held
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,19 @@ def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: Placem
     return None
 
 
+AFFINITY_REASON = "waiting for the worker that holds its prefix"
+
+
+def waits_for_affinity(
+    chosen_matched: int, best_matched: int, block_size: int, demand: Demand, policy: PlacementPolicy
+) -> bool:
+    """Whether to hold the request rather than send it to a worker holding `chosen_matched` blocks of its
+    prompt, when a busy eligible worker holds `best_matched`: it would prefill `spill_tokens` more there,
+    and it has waited less than `spill_after_s`."""
+    extra = (best_matched - chosen_matched) * block_size
+    return extra >= policy.spill_tokens and demand.waited_s < policy.spill_after_s
+
+
 def score(
     worker: WorkerSnapshot, demand: Demand, queue_min: int, queue_max: int, policy: PlacementPolicy
 ) -> float:
@@ -140,6 +159,10 @@ def choose(
         reasons = [rejection(w, demand, now, policy) or "" for w in workers]
         reason = max(set(reasons), key=reasons.count) if reasons else "no workers"
         return Decision(None, reason=reason)
+    busy = [w.matched_blocks for w in workers if is_eligible(w, now) and w not in fit]
+    best_fit = max(w.matched_blocks for w in fit)
+    if busy and waits_for_affinity(best_fit, max(busy), fit[0].heartbeat.block_size, demand, policy):
+        return Decision(None, reason=AFFINITY_REASON)
     queues = [w.queue for w in fit]
     lo, hi = min(queues), max(queues)
     scored = [(score(w, demand, lo, hi, policy), w) for w in fit]

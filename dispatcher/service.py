@@ -239,8 +239,13 @@ class Dispatcher:
                 return True
             logged = moving
         request = held.request
+        waited = max(0.0, time.monotonic() - held.arrived)
         demand = Demand(
-            len(request.prompt_token_ids), request.block_hashes, request.sampling.max_tokens, request.priority
+            len(request.prompt_token_ids),
+            request.block_hashes,
+            request.sampling.max_tokens,
+            request.priority,
+            waited,
         )
         t0 = time.perf_counter()
         if self.settings.placement == "scored":

@@ -50,6 +50,10 @@ class DispatcherSettings(BusSettings):
     )
     expected_output_tokens: int = Field(default=256, gt=0)
     batch_headroom_fraction: float = Field(default=0.25, ge=0, lt=1)
+    spill_tokens: int = Field(
+        default=2048, ge=0, description="hold a request rather than prefill this many more tokens elsewhere"
+    )
+    spill_after_s: float = Field(default=5.0, ge=0, description="how long a request holds out for its prefix")
 
     def policy(self) -> PlacementPolicy:
         return PlacementPolicy(
@@ -60,4 +64,6 @@ class DispatcherSettings(BusSettings):
             max_queue=self.max_queue,
             expected_output_tokens=self.expected_output_tokens,
             batch_headroom_fraction=self.batch_headroom_fraction,
+            spill_tokens=self.spill_tokens,
+            spill_after_s=self.spill_after_s,
         )

@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import numpy.typing as npt
 
-from dispatcher.placement import Decision, Demand, PlacementPolicy
+from dispatcher.placement import AFFINITY_REASON, Decision, Demand, PlacementPolicy, waits_for_affinity
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 Floats = npt.NDArray[np.float64]
@@ -129,6 +129,12 @@ def choose_fast(
             }
         )
         return Decision(None, reason=counts.most_common(1)[0][0])
+
+    busy = ~stale & ~fit
+    if busy.any():
+        size = int(block_size[0])
+        if waits_for_affinity(int(matched[fit].max()), int(matched[busy].max()), size, demand, policy):
+            return Decision(None, reason=AFFINITY_REASON)
 
     prompt_blocks = len(demand.block_hashes)
     prefix = matched / prompt_blocks if prompt_blocks else np.zeros(len(table))

@@ -80,6 +80,7 @@ class Request:
 class Seq:
     request: Request
     own_blocks: int
+    uncached: int = 0  # prompt tokens it prefills
     cum_end: float = 0.0  # prefill position at which its prompt is done
     finish_step: float = 0.0
 
@@ -104,6 +105,7 @@ class Replica:
     version: int = 0
     completed: int = 0
     waiting_tokens: int = 0  # prompt tokens of the requests in `waiting`
+    _unscheduled: tuple[int, int] = (-1, 0)  # (version, prompts beyond this step's prefill budget)
     cache: PrefixCache = field(init=False)
     cache_log: list[tuple[int, tuple[str, ...]]] | None = None  # inserts since the last heartbeat
 
@@ -115,15 +117,28 @@ class Replica:
     def in_system(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
+    def _unscheduled_prompts(self) -> int:
+        """Prompts in the prefill queue that the current step's token budget does not reach: vLLM
+        schedules waiting prompts while its budget lasts (a prompt it reaches is running, chunked)."""
+        if self._unscheduled[0] != self.version:
+            reach = self.prefill_done + self.model.chunk_tokens
+            n = 0
+            for seq in reversed(self.prefilling):
+                if seq.cum_end - seq.uncached < reach:
+                    break
+                n += 1
+            self._unscheduled = (self.version, n)
+        return self._unscheduled[1]
+
     @property
     def queue(self) -> int:
-        """vLLM's num_requests_waiting: requests not yet scheduled (the prompt in prefill is running)."""
-        return len(self.waiting) + max(0, len(self.prefilling) - 1)
+        """vLLM's num_requests_waiting: requests no step has scheduled yet."""
+        return len(self.waiting) + self._unscheduled_prompts()
 
     @property
     def scheduled(self) -> int:
-        """vLLM's num_requests_running: decoding sequences plus the prompt in prefill."""
-        return len(self.running) + min(1, len(self.prefilling))
+        """vLLM's num_requests_running: decoding sequences plus the prompts in prefill this step."""
+        return len(self.running) + len(self.prefilling) - self._unscheduled_prompts()
 
     @property
     def free_blocks(self) -> int:
@@ -178,6 +193,7 @@ class Replica:
 
     # work
     def place(self, request: Request, now: float) -> None:
+        self.version += 1
         self.advance(now)
         if not self.prefilling and not self.running:
             self.steps = math.ceil(self.steps - EPS)  # an idle engine starts a step when work arrives
@@ -213,11 +229,13 @@ class Replica:
             if not self.prefilling:
                 self.prefill_done = self.prefill_end = max(self.prefill_done, self.prefill_end)
             self.prefill_end += uncached
+            seq.uncached = uncached
             seq.cum_end = self.prefill_end
             self.prefilling.append(seq)
 
     def process(self, now: float) -> list[Request]:
         """Finish what is due at `now`; returns requests that completed."""
+        self.version += 1
         self.advance(now)
         finished: list[Request] = []
         while self.prefilling and self.prefilling[0].cum_end <= self.prefill_done + EPS:

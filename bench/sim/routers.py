@@ -99,7 +99,7 @@ class SluiceRouter:
         matched = np.array([by_id[w].matched(request.blocks) for w in self.table.ids], dtype=float)
         priority = Priority.BATCH if request.priority == "batch" else Priority.INTERACTIVE
         max_tokens = request.max_tokens or self.policy.expected_output_tokens
-        demand = Demand(request.prompt_tokens, request.blocks, max_tokens, priority)
+        demand = Demand(request.prompt_tokens, request.blocks, max_tokens, priority, now - request.arrival)
         t0 = time.perf_counter()
         decision = choose_fast(self.table, matched, demand, now, self.policy, self.rng)
         self.decision_s += time.perf_counter() - t0

@@ -1,8 +1,12 @@
 import random
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from dispatcher.placement import (
+    AFFINITY_REASON,
+    Decision,
     Demand,
     PlacementPolicy,
     WorkerSnapshot,
@@ -12,6 +16,7 @@ from dispatcher.placement import (
     least_loaded,
     rejection,
 )
+from dispatcher.table import WorkerTable, choose_fast
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 NOW = 1000.0
@@ -135,3 +140,34 @@ def test_least_loaded_baseline() -> None:
     workers = [WorkerSnapshot(beat("a", running=3)), WorkerSnapshot(beat("b", running=1))]
     assert least_loaded(workers, NOW, random.Random(0)) == "b"
     assert not is_eligible(WorkerSnapshot(beat("x", age=5)), NOW)
+
+
+SPILL = PlacementPolicy(spill_tokens=64, spill_after_s=5.0)  # 4 blocks of 16 tokens
+
+
+def affinity_case(waited_s: float, cached_blocks: int) -> tuple[list[WorkerSnapshot], Demand]:
+    busy = WorkerSnapshot(beat("cached", waiting=64), matched_blocks=cached_blocks)  # queue full
+    cold = WorkerSnapshot(beat("cold"), matched_blocks=1)
+    held = Demand(prompt_tokens=128, block_hashes=HASHES, max_tokens=64, waited_s=waited_s)
+    return [busy, cold], held
+
+
+def fast_choice(workers: list[WorkerSnapshot], held: Demand) -> Decision:
+    table = WorkerTable()
+    for w in workers:
+        table.upsert(w.heartbeat, w.in_flight, w.in_flight_blocks)
+    matched = np.array([float(w.matched_blocks) for w in workers])
+    return choose_fast(table, matched, held, NOW, SPILL, random.Random(0))
+
+
+@pytest.mark.parametrize("pick", [lambda ws, d: choose(ws, d, NOW, SPILL, random.Random(0)), fast_choice])
+def test_a_request_waits_for_the_busy_worker_holding_its_prefix_then_spills(
+    pick: Callable[[list[WorkerSnapshot], Demand], Decision],
+) -> None:
+    workers, fresh = affinity_case(waited_s=1.0, cached_blocks=8)  # 7 blocks (112 tokens) more elsewhere
+    waiting = pick(workers, fresh)
+    assert (waiting.worker_id, waiting.reason) == (None, AFFINITY_REASON)
+    workers, old = affinity_case(waited_s=5.0, cached_blocks=8)
+    assert pick(workers, old).worker_id == "cold"  # held long enough: it goes where it fits
+    workers, small = affinity_case(waited_s=1.0, cached_blocks=4)  # 3 blocks (48 tokens) more: not worth it
+    assert pick(workers, small).worker_id == "cold"
