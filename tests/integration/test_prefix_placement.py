@@ -1,8 +1,8 @@
-"""A shared-prefix workload through the live dispatcher: prefix-aware placement against least-loaded.
+"""A shared-prefix workload through the live dispatcher: prefix-aware placement keeps tenants cached.
 
 Eight tenants each send requests that share a 40-block system prompt. Four workers each cache 120 blocks,
-so a worker holds at most two tenants' prefixes. The hit ratio is what the engines really found cached
-(usage.cached_tokens over prompt tokens), measured for both policies in the same run.
+so every tenant's prefix fits if each worker holds two. The hit ratio is what the engines really found
+cached (usage.cached_tokens over prompt tokens).
 """
 
 from __future__ import annotations
@@ -75,8 +75,11 @@ async def hit_ratio(bus: Bus, placement: str) -> float:
         return cached / prompt
 
 
-async def test_prefix_aware_placement_beats_least_loaded(bus: Bus) -> None:
+async def test_prefix_aware_placement_finds_each_tenants_prefix_cached(bus: Bus) -> None:
+    """Requests go where their tenant's prefix is cached. A tenant's first requests can find none: those
+    sent before the first one's blocks reach the dispatcher (KV events) land where the load says. At
+    most three cold placements per tenant, and each request's own 24 tokens, are uncached."""
     scored = await hit_ratio(bus, "scored")
-    baseline = await hit_ratio(bus, "least-loaded")
-    print(f"prefix hit ratio: scored {scored:.3f}, least-loaded {baseline:.3f}")
-    assert scored > baseline + 0.1
+    own = 24 / (PREFIX_TOKENS + 24)
+    print(f"prefix hit ratio: scored {scored:.3f}")
+    assert scored >= 1 - own - 3 * TENANTS / REQUESTS
