@@ -174,6 +174,7 @@ def workloads(args: argparse.Namespace) -> None:
                         print(f"- {router}: {spread(done, ',.0f')} done, p50 TTFT {spread(p50, ',.0f')} s")
 
 
+SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-tokens")
 SCALING_HEADER = (
     "| scaler | SLO-violation minutes | GPU-hours | p90 TTFT s | p99 TTFT s | peak replicas | unfinished |"
 )
@@ -228,6 +229,7 @@ def scaling(args: argparse.Namespace) -> None:
         *[(f"dynamo-planner, {i:g} s interval", "dynamo-planner", float(i)) for i in args.planner_intervals],
         ("llm-d token-aware", "llm-d-tokens", 0.0),
     ]
+    settings = [(label, kind, value) for label, kind, value in settings if kind in args.scalers]
     print(
         f"\ndiurnal: peak {args.peak:g} req/s, day of {args.day_s / 3600:.0f} h, "
         f"start-up {args.startup:.0f} s; seeds {args.seeds}; "
@@ -357,6 +359,9 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=9.0, help="profiled requests/s per replica")
     parser.add_argument("--lag-thresholds", type=int, nargs="+", default=[10, 50, 100, 200, 400, 800])
     parser.add_argument("--planner-intervals", type=float, nargs="+", default=[180.0, 60.0])
+    parser.add_argument(
+        "--scalers", nargs="+", default=list(SCALERS), choices=SCALERS, help="for `scaling`: which rules"
+    )
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     args = parser.parse_args()
     experiments = {
