@@ -38,6 +38,7 @@ class FleetState:
     draining: int
     completed_recent: dict[int, float]  # completions per second over the last 10 s, per ready replica
     prefill_tokens: int = 0  # prompt tokens not yet prefilled: held, waiting and in prefill
+    ttft_mean: float = math.nan  # mean time to first token of the requests finished since the last tick
 
 
 class Scaler(Protocol):
@@ -102,6 +103,7 @@ class Fleet:
         self.timeline: list[tuple[float, int, int, int]] = []
         self.hold_peak = 0
         self._completions: dict[int, deque[float]] = {}
+        self._ttft_sum, self._ttft_count = 0.0, 0
 
     # heap
     def _push(self, t: float, kind: int, arg: int = 0) -> None:
@@ -143,6 +145,8 @@ class Fleet:
                 finished = replica.process(t)
                 for request in finished:
                     self.stats.add(request)
+                    self._ttft_sum += request.first_token - request.arrival
+                    self._ttft_count += 1
                     if self.sink is not None:
                         self.sink.append(request)
                     self._completions.setdefault(replica.index, deque()).append(t)
@@ -239,7 +243,9 @@ class Fleet:
         prefill = sum(r.prompt_tokens for q in self.hold.values() for r in q) + sum(
             r.prefill_tokens() for r in ready
         )
-        state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent, prefill)
+        ttft = self._ttft_sum / self._ttft_count if self._ttft_count else math.nan
+        self._ttft_sum, self._ttft_count = 0.0, 0
+        state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft)
         target = self.scaler.target(state)
         current = len(ready) + self.starting
         for _ in range(max(0, target - current)):

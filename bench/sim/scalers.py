@@ -12,9 +12,12 @@
 - `reactive`: a utilisation rule in the HPA's form: desired = ceil(current x utilisation / target),
   with utilisation the requests in the system per replica over a per-replica concurrency.
 - `dynamo-planner`: NVIDIA Dynamo's planner in throughput mode. Source: ai-dynamo/dynamo
-  docs "Planner Design": every adjustment_interval (180 s) it predicts the next interval's request rate
-  and sets replicas = ceil(predicted rate / the per-replica rate profiled to meet the SLO). The predictor
-  here is `constant` (the last interval's rate); ARIMA and Prophet are its other choices.
+  docs "Planner Design": every adjustment_interval (180 s) it predicts the next interval's request rate,
+  corrects the profile by prefill_correction = actual TTFT / expected TTFT over the interval (queueing
+  and cache hits the profile does not know), and sets replicas = ceil(predicted rate x correction / the
+  per-replica rate profiled to meet the SLO). The predictor here is `constant` (the last interval's
+  rate); ARIMA and Prophet are its other choices. Its load-based mode (online regression on forward-pass
+  metrics, +/-1 replica every few seconds) is not modelled.
 - `llm-d-tokens`: llm-d's token-aware rule (the workload variant autoscaler's guidance): the in-flight
   prompt tokens over the calibrated prefill throughput are seconds of backlog, kept at or under the TTFT
   SLO: desired = ceil(tokens / (prefill tokens/s per replica x SLO)), applied by the HPA.
@@ -136,10 +139,16 @@ class DynamoPlannerScaler:
     name = "dynamo-planner"
 
     def __init__(
-        self, min_replicas: int, max_replicas: int, capacity: float, interval_s: float = 180.0
+        self,
+        min_replicas: int,
+        max_replicas: int,
+        capacity: float,
+        expected_ttft_s: float,
+        interval_s: float = 180.0,
     ) -> None:
         self.min, self.max = min_replicas, max_replicas
         self.capacity = capacity  # requests/s one replica serves within the SLO, from profiling
+        self.expected_ttft_s = expected_ttft_s  # the profiled TTFT at that load
         self.interval_s = interval_s
         self._last: tuple[float, int] | None = None
 
@@ -149,7 +158,8 @@ class DynamoPlannerScaler:
         if last is None or state.now <= last[0]:
             return max(self.min, min(self.max, current))
         predicted = (state.arrived - last[1]) / (state.now - last[0])  # the constant predictor
-        return max(self.min, min(self.max, math.ceil(predicted / self.capacity)))
+        correction = 1.0 if math.isnan(state.ttft_mean) else state.ttft_mean / self.expected_ttft_s
+        return max(self.min, min(self.max, math.ceil(predicted * correction / self.capacity)))
 
 
 class LlmdTokenScaler:

@@ -114,11 +114,13 @@ def test_reactive_scales_with_requests_in_the_system() -> None:
     assert rule.target(fleet_state(backlog=30, ready=replicas)) == 6  # 30 in the system / (10 x 0.5)
 
 
-def test_dynamo_planner_divides_the_last_intervals_rate_by_the_profiled_capacity() -> None:
-    planner = DynamoPlannerScaler(1, 20, capacity=9.0, interval_s=180.0)
+def test_dynamo_planner_divides_the_corrected_rate_by_the_profiled_capacity() -> None:
+    planner = DynamoPlannerScaler(1, 20, capacity=9.0, expected_ttft_s=0.1, interval_s=180.0)
     assert planner.target(fleet_state(starting=3)) == 3  # nothing observed yet: keeps what it has
     assert planner.target(fleet_state(now=180.0, arrived=180 * 20, starting=3)) == 3  # 20 req/s / 9
     assert planner.target(fleet_state(now=360.0, arrived=180 * 21, starting=3)) == 1  # 1 req/s
+    # TTFT at twice the profile's: the corrected load is 2 x 20 req/s.
+    assert planner.target(fleet_state(now=540.0, arrived=180 * 41, starting=3, ttft_mean=0.2)) == 5
 
 
 def test_llmd_token_rule_keeps_the_backlog_within_the_ttft_slo() -> None:
