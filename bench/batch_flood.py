@@ -18,14 +18,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from bench.live import dev_stack
 from bench.pipeline_latency import percentile, run_many
-from infra.devstack import DevStack, Endpoints
+from infra.devstack import Endpoints
 
 CONFIG = """
 [[pools]]
@@ -102,42 +101,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10_000, help="batch submissions in the flood")
     parser.add_argument("--batch-tokens", type=int, default=16)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        config.write_text(CONFIG)
-        stack = DevStack(Path(tmp) / "stack", config_path=config)
-        endpoints = stack.start()
-        try:
-            print(f"{args.streams} interactive streams of {args.tokens} tokens; 2 workers x 16 slots")
-            quiet, _ = asyncio.run(
-                run_many(endpoints, "sluice-sim", args.streams, args.requests, args.tokens)
-            )
-            q50, q99 = summary("alone", [t for t, *_ in quiet])
+    with dev_stack(CONFIG) as (stack, endpoints):
+        print(f"{args.streams} interactive streams of {args.tokens} tokens; 2 workers x 16 slots")
+        quiet, _ = asyncio.run(run_many(endpoints, "sluice-sim", args.streams, args.requests, args.tokens))
+        q50, q99 = summary("alone", [t for t, *_ in quiet])
 
-            counts = [0, 0]
+        counts = [0, 0]
 
-            async def flooded() -> tuple[list[float], float, float]:
-                stop = asyncio.Event()
-                counter = asyncio.create_task(count_answers(endpoints, stack.prefix, counts, stop))
-                producing = asyncio.create_task(flood(endpoints, stack.prefix, args.batch, args.batch_tokens))
-                await asyncio.sleep(1.0)  # the dispatcher is taking the flood in
-                t0 = time.perf_counter()
-                results, _ = await run_many(endpoints, "sluice-sim", args.streams, args.requests, args.tokens)
-                phase_s = time.perf_counter() - t0
-                stop.set()
-                await counter
-                return [t for t, *_ in results], await producing, phase_s
+        async def flooded() -> tuple[list[float], float, float]:
+            stop = asyncio.Event()
+            counter = asyncio.create_task(count_answers(endpoints, stack.prefix, counts, stop))
+            producing = asyncio.create_task(flood(endpoints, stack.prefix, args.batch, args.batch_tokens))
+            await asyncio.sleep(1.0)  # the dispatcher is taking the flood in
+            t0 = time.perf_counter()
+            results, _ = await run_many(endpoints, "sluice-sim", args.streams, args.requests, args.tokens)
+            phase_s = time.perf_counter() - t0
+            stop.set()
+            await counter
+            return [t for t, *_ in results], await producing, phase_s
 
-            ttfts, produce_s, phase_s = asyncio.run(flooded())
-            f50, f99 = summary(f"beside {args.batch} batch", ttfts)
-            answered, ok = counts
-            print(f"  p50 ratio {f50 / q50:4.2f}   p99 ratio {f99 / q99:4.2f}   (target: p99 ratio <= 1.5)")
-            print(
-                f"  flood produced in {produce_s:.1f} s; {answered} batch answers ({ok} completed) by the end"
-                f" of the {phase_s:.1f} s interactive phase"
-            )
-        finally:
-            stack.stop()
+        ttfts, produce_s, phase_s = asyncio.run(flooded())
+        f50, f99 = summary(f"beside {args.batch} batch", ttfts)
+        answered, ok = counts
+        print(f"  p50 ratio {f50 / q50:4.2f}   p99 ratio {f99 / q99:4.2f}   (target: p99 ratio <= 1.5)")
+        print(
+            f"  flood produced in {produce_s:.1f} s; {answered} batch answers ({ok} completed) by the end"
+            f" of the {phase_s:.1f} s interactive phase"
+        )
 
 
 if __name__ == "__main__":

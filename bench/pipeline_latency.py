@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 
-from infra.devstack import DevStack, Endpoints
+from bench.live import dev_stack, stream_chat
+from infra.devstack import Endpoints
 
 CONFIG = """
 [[pools]]
@@ -96,27 +95,10 @@ async def one_stream(
         "stream_options": {"include_usage": True},
         "messages": [{"role": "user", "content": f"request {i}: tell me about queues"}],
     }
-    headers = {"Authorization": f"Bearer {endpoints.api_key}"}
-    t0 = time.perf_counter()
-    ttft = None
-    chunks = 0
-    prompt_tokens = completion_tokens = 0
-    async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if '"content":"' in line and '"content":""' not in line:
-                chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-            elif '"prompt_tokens":' in line:
-                prompt_tokens = int(line.split('"prompt_tokens":')[1].split(",")[0])
-                completion_tokens = int(line.split('"completion_tokens":')[1].split(",")[0].rstrip("}"))
-            if line == "data: [DONE]":
-                break
-    if ttft is None:
+    got = await stream_chat(client, endpoints, body)
+    if got.ttft is None:
         raise RuntimeError("stream ended without content")
-    return ttft, chunks, prompt_tokens, completion_tokens
+    return got.ttft, got.chunks, got.prompt_tokens, got.completion_tokens
 
 
 async def run_many(
@@ -178,16 +160,9 @@ def pool_config(name: str) -> str:
 
 
 def with_stack(pools: str, fetch_wait_ms: int, phase: Callable[[Endpoints], None]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        config.write_text(pools)
-        env = {"SLUICE_KAFKA_FETCH_WAIT_MS": str(fetch_wait_ms)}
-        stack = DevStack(Path(tmp) / "stack", config_path=config, extra_env=env)
-        endpoints = stack.start()
-        try:
-            phase(endpoints)
-        finally:
-            stack.stop()
+    env = {"SLUICE_KAFKA_FETCH_WAIT_MS": str(fetch_wait_ms)}
+    with dev_stack(pools, extra_env=env) as (_, endpoints):
+        phase(endpoints)
 
 
 def main() -> None:

@@ -18,19 +18,18 @@ import argparse
 import asyncio
 import functools
 import random
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
+from bench.live import dev_stack, stream_chat
 from bench.pipeline_latency import percentile
 from bench.sim.engine import Request, TimingModel
 from bench.sim.fleet import simulate
 from bench.sim.routers import make_router
-from infra.devstack import DEV_TEAM, DevStack, Endpoints
+from infra.devstack import DEV_TEAM, Endpoints
 from queue_schemas.openai_types import ChatMessage
 from queue_schemas.prefix import block_hashes, cache_salt
 from queue_schemas.tokenizer import ByteTokenizer
@@ -146,23 +145,10 @@ async def one(
         "model": "sluice-sim", "stream": True, "max_tokens": item.output,
         "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": item.text}],
     }  # fmt: skip
-    headers = {"Authorization": f"Bearer {endpoints.api_key}"}
-    sent = time.perf_counter()
-    first = None
-    tokens = 0
-    async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-        async for line in r.aiter_lines():
-            if first is None and '"content":"' in line and '"content":""' not in line:
-                first = time.perf_counter() - sent
-            elif '"completion_tokens":' in line:
-                tokens = int(line.split('"completion_tokens":')[1].split(",")[0].rstrip("}"))
-            if line == "data: [DONE]":
-                break
-    if first is None:
+    got = await stream_chat(client, endpoints, body)
+    if got.ttft is None:
         raise RuntimeError("stream ended without content")
-    return first, time.perf_counter() - t0, tokens
+    return got.ttft, time.perf_counter() - t0, got.completion_tokens
 
 
 async def live(endpoints: Endpoints, items: list[Item]) -> Figures:
@@ -188,20 +174,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        config.write_text(CONFIG)
-        stack = DevStack(Path(tmp) / "stack", config_path=config)
-        endpoints = stack.start()
-        try:
-            for i, rate in enumerate(args.rates):
-                items = trace(rate, args.duration, args.seed + i)
-                real = asyncio.run(live(endpoints, items))
-                sim = simulated(items, DEV_TEAM, args.seed + i)
-                rows.append((rate, len(items), real, sim))
-                print(f"rate {rate:g}: live {real}, sim {sim}", flush=True)
-        finally:
-            stack.stop()
+    with dev_stack(CONFIG) as (_, endpoints):
+        for i, rate in enumerate(args.rates):
+            items = trace(rate, args.duration, args.seed + i)
+            real = asyncio.run(live(endpoints, items))
+            sim = simulated(items, DEV_TEAM, args.seed + i)
+            rows.append((rate, len(items), real, sim))
+            print(f"rate {rate:g}: live {real}, sim {sim}", flush=True)
     print(
         f"\n{WORKERS} workers; step {STEP_MS:g} ms + {STEP_MS_PER_SEQ:g} ms per decoding sequence "
         f"+ {PREFILL_MS_PER_TOKEN * CHUNK:g} ms while prefilling ({CHUNK} tokens a step); "

@@ -16,14 +16,14 @@ import argparse
 import asyncio
 import collections
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from infra.devstack import DevStack, Endpoints
+from bench.live import dev_stack
+from infra.devstack import Endpoints
 
 POOLS = """
 [[pools]]
@@ -151,18 +151,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     parser.add_argument("--token-ms", type=float, default=1000.0, help="the engine's time per token")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        per_worker = args.streams // 2 + 64
-        config.write_text(POOLS.format(token_ms=args.token_ms, per_worker=per_worker))
-        stack = DevStack(Path(tmp) / "stack", config_path=config)
-        endpoints = stack.start()
-        try:
-            pid = stack.process("ingress").popen.pid
-            print(f"ingress pid {pid}: {rss_mb(pid):.1f} MB RSS at rest")
-            asyncio.run(hold(endpoints, args.streams, args.duration, pid))
-        finally:
-            stack.stop()
+    per_worker = args.streams // 2 + 64
+    with dev_stack(POOLS.format(token_ms=args.token_ms, per_worker=per_worker)) as (stack, endpoints):
+        pid = stack.process("ingress").popen.pid
+        print(f"ingress pid {pid}: {rss_mb(pid):.1f} MB RSS at rest")
+        asyncio.run(hold(endpoints, args.streams, args.duration, pid))
 
 
 if __name__ == "__main__":

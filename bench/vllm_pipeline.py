@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from infra.devstack import DevStack, Endpoints
+from bench.live import dev_stack, stream_chat
+from infra.devstack import Endpoints
 from infra.launcher import child_pids
 from infra.models import prepare_smollm2
 
@@ -183,7 +183,6 @@ async def direct(source: Path, levels: list[int], rounds: int, pinned: bool) -> 
 
 
 async def through_pipeline(endpoints: Endpoints, levels: list[int], rounds: int) -> dict[int, Run]:
-    headers = {"Authorization": f"Bearer {endpoints.api_key}"}
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
@@ -197,18 +196,8 @@ async def through_pipeline(endpoints: Endpoints, levels: list[int], rounds: int)
                 "messages": [{"role": "user", "content": question(i)}],
             }
             t0 = time.perf_counter()
-            ttft = None
-            tokens = 0
-            url = endpoints.url + "/v1/chat/completions"
-            async with client.stream("POST", url, json=body, headers=headers) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-                async for line in r.aiter_lines():
-                    if ttft is None and '"content":"' in line and '"content":""' not in line:
-                        ttft = time.perf_counter() - t0
-                    elif '"completion_tokens":' in line:
-                        tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
-            return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+            got = await stream_chat(client, endpoints, body)
+            return (got.ttft if got.ttft is not None else time.perf_counter() - t0), got.completion_tokens
 
         await one(-1)
         return {c: await _concurrently(c, rounds, one) for c in levels}
@@ -229,17 +218,10 @@ def main() -> None:
     if args.pin:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine's one OpenMP thread
     before = asyncio.run(direct(source, levels, args.rounds, args.pin))
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        config.write_text(CONFIG.format(model=MODEL, source=source))
-        stack = DevStack(Path(tmp), config_path=config)
-        endpoints = stack.start()
-        try:
-            if args.pin and pin_all() != 1:
-                raise RuntimeError("expected one vLLM engine process to pin in the stack")
-            pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds))
-        finally:
-            stack.stop()
+    with dev_stack(CONFIG.format(model=MODEL, source=source)) as (_, endpoints):
+        if args.pin and pin_all() != 1:
+            raise RuntimeError("expected one vLLM engine process to pin in the stack")
+        pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds))
     after = asyncio.run(direct(source, levels, args.rounds, args.pin))
 
     placement = "engine on core 0, the rest on core 1" if args.pin else "unpinned"

@@ -20,7 +20,6 @@ import os
 import random
 import signal
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
+from bench.live import dev_stack
 from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
 from infra.launcher import child_pids
@@ -154,15 +154,8 @@ def longest_pause(s: Stream) -> float:
 
 
 def main(duration: float, every: float, clients: int) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "pools.toml"
-        config.write_text(POOLS)
-        dev = DevStack(Path(tmp), config_path=config)
-        endpoints = dev.start()
-        try:
-            run, migrations = asyncio.run(drive(dev, endpoints, duration, every, clients))
-        finally:
-            dev.stop()
+    with dev_stack(POOLS) as (dev, endpoints):
+        run, migrations = asyncio.run(drive(dev, endpoints, duration, every, clients))
     report(run, migrations, duration, every, clients)
 
 

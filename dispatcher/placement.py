@@ -154,12 +154,13 @@ def choose(
     rng: random.Random,
 ) -> Decision:
     """The best worker for the request, or a Decision with no worker and the most common reason."""
-    fit = [w for w in workers if rejection(w, demand, now, policy) is None]
+    verdicts = [(w, rejection(w, demand, now, policy)) for w in workers]
+    fit = [w for w, why in verdicts if why is None]
     if not fit:
-        reasons = [rejection(w, demand, now, policy) or "" for w in workers]
+        reasons = [why or "" for _, why in verdicts]
         reason = max(set(reasons), key=reasons.count) if reasons else "no workers"
         return Decision(None, reason=reason)
-    busy = [w.matched_blocks for w in workers if is_eligible(w, now) and w not in fit]
+    busy = [w.matched_blocks for w, why in verdicts if why is not None and is_eligible(w, now)]
     best_fit = max(w.matched_blocks for w in fit)
     if busy and waits_for_affinity(best_fit, max(busy), fit[0].heartbeat.block_size, demand, policy):
         return Decision(None, reason=AFFINITY_REASON)

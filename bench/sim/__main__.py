@@ -86,9 +86,10 @@ def run_one(run: Run) -> Result:
     return Result(summarize(out), out.unfinished, batch)
 
 
-def spread(values: Sequence[float], fmt: str) -> str:
-    """Median [min-max] of a figure over seeds."""
-    mid, lo, hi = (format(v, fmt) for v in (statistics.median(values), min(values), max(values)))
+def spread(values: Sequence[float], fmt: str | Callable[[float], str]) -> str:
+    """Median [min-max] of a figure over seeds (the range only where the seeds differ, as printed)."""
+    f = fmt if callable(fmt) else (lambda v: format(v, fmt))
+    mid, lo, hi = (f(v) for v in (statistics.median(values), min(values), max(values)))
     return mid if lo == hi else f"{mid} [{lo}-{hi}]"
 
 
@@ -104,18 +105,12 @@ PLACEMENT_HEADER = (
 
 def placement_row(name: str, results: list[Result]) -> str:
     s = [r.summary for r in results]
-
-    def cell(values: list[float], fmt: str | Callable[[float], str]) -> str:
-        mid, lo, hi = statistics.median(values), min(values), max(values)
-        f = fmt if callable(fmt) else (lambda v: format(v, fmt))
-        return f(mid) if lo == hi else f"{f(mid)} [{f(lo)}-{f(hi)}]"
-
     return (
-        f"| {name} | {cell([x.ttft_p50 for x in s], ttft_ms)} | {cell([x.ttft_p90 for x in s], ttft_ms)} "
-        f"| {cell([x.ttft_p99 for x in s], '.2f')} | {cell([x.itl_p90 * 1000 for x in s], '.0f')} "
-        f"| {cell([x.tokens_per_s for x in s], ',.0f')} | {cell([x.hit_rate * 100 for x in s], '.0f')}% "
-        f"| {cell([x.slo_attainment * 100 for x in s], '.1f')}% "
-        f"| {cell([float(r.unfinished) for r in results], '.0f')} |"
+        f"| {name} | {spread([x.ttft_p50 for x in s], ttft_ms)} | {spread([x.ttft_p90 for x in s], ttft_ms)} "
+        f"| {spread([x.ttft_p99 for x in s], '.2f')} | {spread([x.itl_p90 * 1000 for x in s], '.0f')} "
+        f"| {spread([x.tokens_per_s for x in s], ',.0f')} | {spread([x.hit_rate * 100 for x in s], '.0f')}% "
+        f"| {spread([x.slo_attainment * 100 for x in s], '.1f')}% "
+        f"| {spread([float(r.unfinished) for r in results], '.0f')} |"
     )
 
 

@@ -113,7 +113,8 @@ class Fleet:
         return replica if self.mode == "exact" else Snapshot.of(replica)
 
     def _post(self, replica: Replica) -> None:
-        replica.version += 1
+        """Schedule the replica's next event under its current version (each `place` and `process`
+        changes the version, so an event posted before is then recognised as stale)."""
         t = replica.next_event()
         if t < math.inf:
             self._push(t, EVENT, replica.index * 1_000_000 + replica.version % 1_000_000)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -80,20 +80,19 @@ class SluiceRouter:
         self.decision_s = 0.0
         self.decisions = 0
 
-    def observe(self, views: Sequence[ReplicaView], now: float) -> None:
-        live = {f"r{v.index}" for v in views}
+    def _forget_gone(self, live: Collection[str]) -> None:
         for worker_id in [w for w in self.table.ids if w not in live]:
             self.table.remove(worker_id)
+
+    def observe(self, views: Sequence[ReplicaView], now: float) -> None:
+        self._forget_gone({f"r{v.index}" for v in views})
         for v in views:
             self._seq += 1
             self.table.upsert(heartbeat(v, now, self._seq), 0, 0)
 
     def route(self, request: Request, views: Sequence[ReplicaView], now: float) -> ReplicaView | None:
         by_id = {f"r{v.index}": v for v in views}
-        ids = [w for w in self.table.ids if w in by_id]
-        if len(ids) != len(self.table.ids):
-            for worker_id in [w for w in self.table.ids if w not in by_id]:
-                self.table.remove(worker_id)
+        self._forget_gone(by_id)
         if not len(self.table):
             return None
         matched = np.array([by_id[w].matched(request.blocks) for w in self.table.ids], dtype=float)

@@ -14,7 +14,7 @@ usage) and what a gateway can count itself (requests in the system, prefill toke
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from bench.sim.engine import Replica, Request, TimingModel, leading_cached
@@ -24,8 +24,11 @@ Mode = Literal["exact", "heartbeat"]
 
 
 class ReplicaView(Protocol):
-    index: int
-    model: TimingModel
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def model(self) -> TimingModel: ...
 
     @property
     def in_system(self) -> int: ...
@@ -57,8 +60,6 @@ class Snapshot:
 
     replica: Replica
     published: PrefixCache
-    index: int = 0
-    model: TimingModel = field(default_factory=TimingModel)
     in_system: int = 0
     queue: int = 0
     scheduled: int = 0
@@ -72,9 +73,17 @@ class Snapshot:
         published = PrefixCache(replica.model.kv_blocks)
         for h in reversed(replica.cache.hashes()):  # least recent first, so the LRU order carries over
             published.insert((h,))
-        view = cls(replica, published, replica.index, replica.model)
+        view = cls(replica, published)
         view.refresh()
         return view
+
+    @property
+    def index(self) -> int:
+        return self.replica.index
+
+    @property
+    def model(self) -> TimingModel:
+        return self.replica.model
 
     @property
     def cache_size(self) -> int:
