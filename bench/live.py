@@ -37,6 +37,7 @@ class Streamed:
     chunks: int  # chunks with content
     prompt_tokens: int
     completion_tokens: int
+    completion_id: str  # the chunks' `id`: "chatcmpl-" and the request id
 
 
 async def stream_chat(client: httpx.AsyncClient, endpoints: Endpoints, body: dict[str, Any]) -> Streamed:
@@ -45,10 +46,13 @@ async def stream_chat(client: httpx.AsyncClient, endpoints: Endpoints, body: dic
     t0 = time.perf_counter()
     ttft = None
     chunks = prompt_tokens = completion_tokens = 0
+    completion_id = ""
     async with client.stream("POST", endpoints.url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
         async for line in r.aiter_lines():
+            if not completion_id and line.startswith("data: {") and '"id":"' in line:
+                completion_id = line.split('"id":"', 1)[1].split('"', 1)[0]
             if '"content":"' in line and '"content":""' not in line:
                 chunks += 1
                 if ttft is None:
@@ -58,4 +62,4 @@ async def stream_chat(client: httpx.AsyncClient, endpoints: Endpoints, body: dic
                 completion_tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
             if line == "data: [DONE]":
                 break
-    return Streamed(ttft, chunks, prompt_tokens, completion_tokens)
+    return Streamed(ttft, chunks, prompt_tokens, completion_tokens, completion_id)

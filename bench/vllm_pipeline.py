@@ -8,9 +8,11 @@ httpx streaming client. Each concurrency level sends `rounds` requests per strea
 The direct runs come before and after the pipeline run and are averaged, so drift in the machine's
 speed during the run does not land on one side; their spread is printed as a noise floor.
 
-With `--pin`, the engine's process runs on core 0 and everything else (the benchmark client, and in the
-pipeline run the broker, Redis and every service) on core 1, so the comparison measures the pipeline's
-cost rather than its processes taking CPU from the engine; without it, the scheduler places them.
+vLLM on CPU runs two processes: the engine core (scheduler; it spins, yielding, while it waits for a step)
+and the model worker that computes the step. With `--pin`, the model worker runs on core 0 and everything
+else (vLLM's engine core and front end, the benchmark client, and in the pipeline run the broker, Redis and
+every service) on core 1, so the comparison measures the pipeline's cost rather than its processes taking
+CPU from the model; without it, the scheduler places them.
 
 Run: `.venv/bin/python -m bench.vllm_pipeline [--pin]` (SmolLM2 is prepared in .sluice/models on first
 use).
@@ -75,10 +77,10 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def is_engine(pid: int) -> bool:
-    """vLLM's engine core process (it renames itself VLLM::EngineCore)."""
+def is_model_worker(pid: int) -> bool:
+    """vLLM's model worker process, which runs the forward passes (it renames itself VLLM::Worker...)."""
     try:
-        return "EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        return "VLLM::Worker" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
 
@@ -92,11 +94,11 @@ def pin(pid: int, core: int) -> None:
 
 
 def pin_all() -> int:
-    """The engine processes under this one to ENGINE_CORE, the rest (this one included) to OTHER_CORE;
-    returns how many engine processes were found."""
+    """The model worker processes under this one to ENGINE_CORE, the rest (this one included) to OTHER_CORE;
+    returns how many model workers were found."""
     engines = 0
     for pid in [os.getpid(), *descendants(os.getpid())]:
-        if is_engine(pid):
+        if is_model_worker(pid):
             engines += 1
             pin(pid, ENGINE_CORE)
         else:
@@ -123,6 +125,9 @@ class Run:
         return statistics.median(self.ttfts) * 1000
 
 
+Runs = dict[int, list["Run"]]  # per concurrency level, one run per pass
+
+
 async def _concurrently(concurrency: int, rounds: int, one: Callable[[int], Awaitable[Sample]]) -> Run:
     """`concurrency` streams, each sending `rounds` requests one after another."""
 
@@ -136,7 +141,18 @@ async def _concurrently(concurrency: int, rounds: int, one: Callable[[int], Awai
     return Run([t for t, _ in results], sum(n for _, n in results), seconds)
 
 
-async def direct(source: Path, levels: list[int], rounds: int, pinned: bool) -> dict[int, Run]:
+async def _passes(
+    levels: list[int], rounds: int, repeats: int, one: Callable[[int], Awaitable[Sample]]
+) -> Runs:
+    """`repeats` passes over the concurrency levels, one level after another in each pass."""
+    runs: Runs = {c: [] for c in levels}
+    for _ in range(repeats):
+        for c in levels:
+            runs[c].append(await _concurrently(c, rounds, one))
+    return runs
+
+
+async def direct(source: Path, levels: list[int], rounds: int, repeats: int, pinned: bool) -> Runs:
     from gpu_workers.vllm_engine import VllmEngine
     from queue_schemas.config import parse_config
     from queue_schemas.messages import InferenceRequest, SamplingParams
@@ -149,7 +165,7 @@ async def direct(source: Path, levels: list[int], rounds: int, pinned: bool) -> 
     engine = VllmEngine(pool, ModelStore(MODELS), spec_decoding=False)
     await engine.start()
     if pinned and pin_all() != 1:
-        raise RuntimeError("expected one vLLM engine process to pin")
+        raise RuntimeError("expected one vLLM model worker to pin")
     counter = 0
 
     async def one(i: int) -> Sample:
@@ -177,12 +193,12 @@ async def direct(source: Path, levels: list[int], rounds: int, pinned: bool) -> 
 
     try:
         await one(-1)
-        return {c: await _concurrently(c, rounds, one) for c in levels}
+        return await _passes(levels, rounds, repeats, one)
     finally:
         await engine.close()
 
 
-async def through_pipeline(endpoints: Endpoints, levels: list[int], rounds: int) -> dict[int, Run]:
+async def through_pipeline(endpoints: Endpoints, levels: list[int], rounds: int, repeats: int) -> Runs:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
@@ -200,7 +216,12 @@ async def through_pipeline(endpoints: Endpoints, levels: list[int], rounds: int)
             return (got.ttft if got.ttft is not None else time.perf_counter() - t0), got.completion_tokens
 
         await one(-1)
-        return {c: await _concurrently(c, rounds, one) for c in levels}
+        return await _passes(levels, rounds, repeats, one)
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    """Median [min-max]."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def main() -> None:
@@ -209,42 +230,51 @@ def main() -> None:
     )
     parser.add_argument("--levels", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pin", action="store_true", help="engine on core 0, everything else on core 1")
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the levels in each setup")
+    parser.add_argument(
+        "--pin", action="store_true", help="vLLM's model worker on core 0, everything else on core 1"
+    )
+    parser.add_argument(
+        "--fetch-wait-ms",
+        type=int,
+        default=None,
+        help="the services' Kafka fetch wait (default: the dev stack's)",
+    )
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     source = prepare_smollm2(MODELS / MODEL, MODELS / "downloads").resolve()
+    env = {} if args.fetch_wait_ms is None else {"SLUICE_KAFKA_FETCH_WAIT_MS": str(args.fetch_wait_ms)}
 
     if args.pin:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine's one OpenMP thread
-    before = asyncio.run(direct(source, levels, args.rounds, args.pin))
-    with dev_stack(CONFIG.format(model=MODEL, source=source)) as (_, endpoints):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the model worker's one OpenMP thread
+    before = asyncio.run(direct(source, levels, args.rounds, args.repeats, args.pin))
+    with dev_stack(CONFIG.format(model=MODEL, source=source), extra_env=env) as (_, endpoints):
         if args.pin and pin_all() != 1:
-            raise RuntimeError("expected one vLLM engine process to pin in the stack")
-        pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds))
-    after = asyncio.run(direct(source, levels, args.rounds, args.pin))
+            raise RuntimeError("expected one vLLM model worker to pin in the stack")
+        pipeline_runs = asyncio.run(through_pipeline(endpoints, levels, args.rounds, args.repeats))
+    after = asyncio.run(direct(source, levels, args.rounds, args.repeats, args.pin))
 
-    placement = "engine on core 0, the rest on core 1" if args.pin else "unpinned"
+    placement = "model worker on core 0, the rest on core 1" if args.pin else "unpinned"
     print(
-        f"SmolLM2-135M-Instruct on vLLM (CPU, 1 engine thread, {placement}), {MAX_TOKENS} max tokens, greedy"
+        f"SmolLM2-135M-Instruct on vLLM (CPU, 1 engine thread, {placement}), {MAX_TOKENS} max tokens, "
+        f"greedy; {args.repeats} passes of {args.rounds} requests per stream, median [min-max] over passes"
     )
     print(
-        "streams | direct tok/s (before/after) | pipeline tok/s | ratio | direct TTFT p50 | pipeline | added"
+        "streams | direct tok/s | pipeline tok/s | ratio of medians [worst-best] | TTFT p50 direct | pipeline"
     )
     for c in levels:
-        a, b, p = before[c], after[c], pipeline_runs[c]
-        direct_rate = (a.tokens_per_s + b.tokens_per_s) / 2
-        direct_ttft = (a.ttft_p50_ms + b.ttft_p50_ms) / 2
-        ratio = p.tokens_per_s / direct_rate
-        added = p.ttft_p50_ms - direct_ttft
+        d, p = before[c] + after[c], pipeline_runs[c]
+        d_rate, p_rate = [r.tokens_per_s for r in d], [r.tokens_per_s for r in p]
+        ratio = statistics.median(p_rate) / statistics.median(d_rate)
         print(
-            f"{c:7d} | {direct_rate:6.1f} ({a.tokens_per_s:5.1f}/{b.tokens_per_s:5.1f}) | "
-            f"{p.tokens_per_s:14.1f} | {ratio:5.2f} | "
-            f"{direct_ttft:8.1f} ms ({a.ttft_p50_ms:.0f}/{b.ttft_p50_ms:.0f}) | "
-            f"{p.ttft_p50_ms:6.1f} ms | {added:+6.1f} ms"
+            f"{c:7d} | {spread(d_rate)} | {spread(p_rate)} | "
+            f"{ratio:.2f} [{min(p_rate) / max(d_rate):.2f}-{max(p_rate) / min(d_rate):.2f}] | "
+            f"{spread([r.ttft_p50_ms for r in d], '{:.0f}')} ms | "
+            f"{spread([r.ttft_p50_ms for r in p], '{:.0f}')} ms"
         )
-        if a.tokens != p.tokens:
-            print(f"        note: {a.tokens} tokens direct, {p.tokens} through the pipeline")
+        if d[0].tokens != p[0].tokens:
+            print(f"        note: {d[0].tokens} tokens direct, {p[0].tokens} through the pipeline")
 
 
 if __name__ == "__main__":

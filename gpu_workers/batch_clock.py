@@ -1,14 +1,15 @@
 """Engine steps for the simulated engine's `batched` timing: the fleet simulator's replica model, live.
 
 Each step decodes one token for every sequence that was decoding when it began, and prefills up to
-`chunk_tokens` of the waiting prompts, first come first served (chunked prefill, as vLLM schedules it).
-A step lasts
+`chunk_tokens` of the prompts that were waiting when it began, first come first served (chunked prefill,
+as vLLM schedules it: a prompt that arrives during a step joins the next one). A step lasts
 
-    step_ms + step_ms_per_seq x decoding (+ prefill_ms_per_token x chunk_tokens while prefilling)
+    step_ms + step_ms_per_seq x decoding + prefill_ms_per_token x tokens it prefills
 
-which is `bench.sim.engine.TimingModel`'s formula, so the same trace can run through `sluice dev` and
-through `bench/sim` with one timing model. A prompt's first token comes at the end of the step that
-finishes its prefill; each later step gives it one more.
+which is `bench.sim.engine.TimingModel`'s formula (the simulator spreads a prefill chunk's cost over the
+tokens it covers), so the same trace can run through `sluice dev` and through `bench/sim` with one
+timing model. A prompt's first token comes at the end of the step that finishes its prefill; each later
+step gives it one more.
 """
 
 from __future__ import annotations
@@ -28,25 +29,21 @@ class Running:
     tokens: asyncio.Queue[None] = field(default_factory=asyncio.Queue)
 
 
-def step_s(config: SimulatedEngineConfig, decoding: int, prefilling: bool) -> float:
-    ms = config.step_ms + config.step_ms_per_seq * decoding
-    if prefilling:
-        ms += config.prefill_ms_per_token * config.chunk_tokens
+def step_s(config: SimulatedEngineConfig, decoding: int, prefill_tokens: int) -> float:
+    ms = config.step_ms + config.step_ms_per_seq * decoding + config.prefill_ms_per_token * prefill_tokens
     return ms / 1000
 
 
-def prefill_step(waiting: deque[Running], budget: int) -> list[Running]:
-    """Spend one step's prefill budget on the waiting prompts in order; returns those it finished."""
-    finished = []
-    while waiting and budget > 0:
-        seq = waiting[0]
-        spent = min(budget, seq.prefill_left)
-        seq.prefill_left -= spent
-        budget -= spent
-        if seq.prefill_left:
+def prefill_plan(waiting: deque[Running], budget: int) -> list[tuple[Running, int]]:
+    """One step's prefill budget over the waiting prompts in order: (prompt, tokens it gets). Pure."""
+    plan = []
+    for seq in waiting:
+        if budget <= 0:
             break
-        finished.append(waiting.popleft())
-    return finished
+        spent = min(budget, seq.prefill_left)
+        plan.append((seq, spent))
+        budget -= spent
+    return plan
 
 
 class BatchClock:
@@ -76,17 +73,23 @@ class BatchClock:
         deadline = loop.time()
         while self._waiting or self._decoding:
             decoding = list(self._decoding)
+            plan = prefill_plan(self._waiting, self._config.chunk_tokens)
             # Steps follow one schedule from the start of the busy spell: a step the event loop woke late
             # for is made up by the next ones, so the engine's rate is the model's, not the loop's.
-            deadline += step_s(self._config, len(decoding), bool(self._waiting))
+            deadline += step_s(self._config, len(decoding), sum(tokens for _, tokens in plan))
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             self.steps += 1
             for seq in decoding:
                 if seq in self._decoding:
                     seq.tokens.put_nowait(None)
-            for seq in prefill_step(self._waiting, self._config.chunk_tokens):
-                self._decoding.add(seq)
-                seq.tokens.put_nowait(None)
+            for seq, tokens in plan:
+                if seq not in self._waiting:
+                    continue  # it left during the step
+                seq.prefill_left -= tokens
+                if not seq.prefill_left:
+                    self._waiting.remove(seq)
+                    self._decoding.add(seq)
+                    seq.tokens.put_nowait(None)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -7,8 +7,10 @@ queued prompts (chunked prefill, as vLLM schedules it). A step takes
 
 Between two events (an arrival, a prompt finishing its prefill, a sequence finishing) the step time is
 constant, so progress is linear and the replica jumps from event to event instead of stepping. A
-prompt's first token comes at the end of the step in which its prefill finishes, so even a fully cached
-prompt waits out one step.
+prompt's first token comes at the end of the step in which its prefill finishes, and no earlier than the
+end of the first step that begins after its admission: as in vLLM, a prompt that arrives while a step
+runs joins the next one, so even a fully cached prompt waits out the rest of the current step and one
+more.
 
 KV: a sequence holds the blocks of its uncached prompt tokens and of its output; the prefix cache (the
 simulated engine's `PrefixCache`) keeps prompt blocks by chain hash in what is left, least recently used
@@ -83,6 +85,7 @@ class Seq:
     uncached: int = 0  # prompt tokens it prefills
     cum_end: float = 0.0  # prefill position at which its prompt is done
     finish_step: float = 0.0
+    first_step: int = 0  # the earliest step whose end can bring its first token
 
 
 @dataclass(eq=False)
@@ -231,6 +234,7 @@ class Replica:
             self.prefill_end += uncached
             seq.uncached = uncached
             seq.cum_end = self.prefill_end
+            seq.first_step = math.ceil(self.steps - EPS) + 1  # the step after the one in progress
             self.prefilling.append(seq)
 
     def process(self, now: float) -> list[Request]:
@@ -241,11 +245,13 @@ class Replica:
         while self.prefilling and self.prefilling[0].cum_end <= self.prefill_done + EPS:
             seq = self.prefilling.popleft()
             # The step that finishes a prompt samples its first token when that step ends.
-            seq.request.first_token = now + (math.ceil(self.steps - EPS) - self.steps) * self.step_s()
+            first = max(math.ceil(self.steps - EPS), seq.first_step)
+            seq.request.first_token = now + (first - self.steps) * self.step_s()
             if seq.request.output_tokens <= 1:
                 finished.append(self._finish(seq, now))
+                seq.request.done = seq.request.first_token
                 continue
-            seq.finish_step = self.steps + seq.request.output_tokens - 1
+            seq.finish_step = first + seq.request.output_tokens - 1
             heapq.heappush(self.running, (seq.finish_step, seq.request.rid, seq))
             self.running_blocks += seq.own_blocks
         while self.running and self.running[0][0] <= self.steps + EPS:

@@ -5,7 +5,7 @@ from collections import deque
 
 import pytest
 
-from gpu_workers.batch_clock import Running, prefill_step, step_s
+from gpu_workers.batch_clock import BatchClock, Running, prefill_plan, step_s
 from gpu_workers.simulated import SimulatedEngine, reply_text
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import InferenceRequest, SamplingParams
@@ -23,22 +23,21 @@ def request(rid: str, prompt_tokens: int, max_tokens: int) -> InferenceRequest:
     )  # fmt: skip
 
 
-def test_a_step_costs_its_base_its_decoding_sequences_and_a_prefill_chunk() -> None:
+def test_a_step_costs_its_base_its_decoding_sequences_and_the_tokens_it_prefills() -> None:
     config = SimulatedEngineConfig(
         step_ms=15, step_ms_per_seq=0.5, prefill_ms_per_token=0.01, chunk_tokens=1000
     )
-    assert step_s(config, 0, False) == pytest.approx(0.015)
-    assert step_s(config, 10, False) == pytest.approx(0.020)
-    assert step_s(config, 10, True) == pytest.approx(0.030)
+    assert step_s(config, 0, 0) == pytest.approx(0.015)
+    assert step_s(config, 10, 0) == pytest.approx(0.020)
+    assert step_s(config, 10, 1000) == pytest.approx(0.030)
+    assert step_s(config, 10, 100) == pytest.approx(0.021)
 
 
 def test_a_steps_prefill_budget_goes_to_the_waiting_prompts_in_order() -> None:
     a, b, c = Running(1500), Running(400), Running(900)
-    waiting = deque([a, b, c])
-    assert prefill_step(waiting, 2048) == [a, b]
-    assert (c.prefill_left, list(waiting)) == (752, [c])
-    assert prefill_step(waiting, 2048) == [c]
-    assert not waiting
+    assert prefill_plan(deque([a, b, c]), 2048) == [(a, 1500), (b, 400), (c, 148)]
+    assert prefill_plan(deque([c]), 2048) == [(c, 900)]
+    assert (a.prefill_left, c.prefill_left) == (1500, 900)  # a plan spends nothing
 
 
 async def tokens(engine: SimulatedEngine, req: InferenceRequest) -> str:
@@ -63,3 +62,15 @@ async def test_concurrent_requests_share_steps() -> None:
     stats = engine.stats()
     assert (stats.running, stats.kv_blocks_free) == (0, 4096)
     await engine.close()
+
+
+async def test_a_prompt_arriving_during_a_step_joins_the_next_one() -> None:
+    clock = BatchClock(CONFIG)
+    first = clock.start(100)
+    await asyncio.sleep(0)  # one turn of the loop: the clock plans its first step and starts it
+    late = clock.start(100)
+    await first.tokens.get()
+    assert clock.steps == 1
+    await late.tokens.get()
+    assert clock.steps == 2  # not prefilled by the step that was running when it came
+    await clock.close()

@@ -71,6 +71,21 @@ def test_a_cached_prefix_is_not_prefilled_again() -> None:
     assert second.first_token - second.arrival < (first.first_token - first.arrival) / 5
 
 
+def test_a_prompt_arriving_during_a_step_joins_the_next_one() -> None:
+    replica = Replica(0, MODEL)
+    running = request(1, "a", 1, 100)
+    replica.place(running, 0.0)
+    replica.process(replica.next_event())  # its one-block prompt is done; it decodes from here on
+    step = 0.01 + 0.001 * 1
+    boundary = running.first_token + 5 * step
+    late = request(2, "b", 1, 2, at=boundary + 0.4 * step)  # 16 prompt tokens, mid-step
+    replica.place(late, late.arrival)
+    while math.isnan(late.done):
+        replica.process(replica.next_event())
+    # Not the end of the step in progress (boundary + 1 step), but of the one after it.
+    assert late.first_token == pytest.approx(boundary + 2 * step, rel=0.05)
+
+
 def test_requests_wait_for_kv_blocks() -> None:
     small = TimingModel(kv_blocks=200, chunk_tokens=4096)
     replica = Replica(0, small)
