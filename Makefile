@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit install browser clean
+.PHONY: run test check lint typecheck install browser promtool clean
 
 $(STAMP): pyproject.toml infra/install_engine.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,24 @@ browser:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; }
 
-test: lint typecheck browser
+# promtool (for checking the Prometheus configuration and every /metrics endpoint) from Debian's
+# prometheus package, unpacked into .sluice/tools: no daemon, no root.
+PROMTOOL := .sluice/tools/usr/bin/promtool
+$(PROMTOOL):
+	mkdir -p .sluice/tools
+	cd .sluice/tools && { apt-get download prometheus 2>/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -qq && apt-get download prometheus; }; }
+	cd .sluice/tools && dpkg-deb -x prometheus_*.deb . && rm prometheus_*.deb
+	test -x $(PROMTOOL)
+
+promtool: $(PROMTOOL)
+
+test: lint typecheck browser promtool
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+# The quick loop: lint, types and the unit tier (under a minute).
+check: lint typecheck
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -m unit -q
 
 clean:
 	rm -rf $(VENV) .sluice .mypy_cache .ruff_cache .pytest_cache

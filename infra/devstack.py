@@ -98,6 +98,8 @@ class DevStack:
     # Dispatchers per pool, all active, sharing the pool's partitions by lease (dispatcher.leases): a
     # killed one's partitions pass to the other in about a second. Named dispatcher-POOL, -POOL-2, ...
     dispatchers: int = 2
+    # Every Prometheus endpoint of the running stack (ingress, scaler, each dispatcher), once started.
+    metrics_urls: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
@@ -138,7 +140,9 @@ class DevStack:
         self.processes.append(ingress)
         for pool in self.config.pools:
             for n in range(1, self.dispatchers + 1):
-                dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(free_port())}
+                metrics_port = free_port()
+                self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
+                dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(metrics_port)}
                 argv = [*cli, "dispatcher", "--pool", pool.name]
                 name = f"dispatcher-{pool.name}" + (f"-{n}" if n > 1 else "")
                 self.processes.append(spawn(name, argv, self.log_dir, dispatcher_env))
@@ -148,6 +152,7 @@ class DevStack:
         self.processes.append(scaler)
         url = f"http://127.0.0.1:{port}"
         scaler_url = f"http://127.0.0.1:{scaler_port}"
+        self.metrics_urls += [f"{url}/metrics", f"{scaler_url}/metrics"]
         wait_until(ingress, lambda: _http_ok(url + "/healthz"), "ingress", timeout=60)
         wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", timeout=60)
         asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))

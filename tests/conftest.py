@@ -16,6 +16,19 @@ from queue_schemas.messages import DeadLetter
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 
+TIERS = ("unit", "integration", "e2e", "engine", "chaos")  # the folders under tests/, one marker each
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on."""
+    root = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(root).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders {TIERS}")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
 # Short group timings: the dev broker joins a group in half the session timeout.
 FAST_KAFKA = {
     "kafka_fetch_wait_ms": 5,

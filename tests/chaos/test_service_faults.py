@@ -53,7 +53,7 @@ from tests.integration.helpers import (
     submission,
 )
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 ARTIFACTS = Path(os.environ.get("SLUICE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
 RECOVERY_LIMIT_S = 60.0

@@ -20,7 +20,7 @@ from infra.launcher import child_pids
 from infra.models import prepare_smollm2
 from queue_schemas.settings import BusSettings
 
-pytestmark = [pytest.mark.chaos, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MODELS = Path(__file__).parents[2] / ".sluice" / "models"
 POOLS = """

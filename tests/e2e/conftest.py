@@ -14,9 +14,10 @@ from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key, set_team_limits
 from infra.models import build_tiny_tokenizer
 from queue_schemas.codec import decode
-from queue_schemas.messages import Heartbeat
+from queue_schemas.messages import Heartbeat, StreamEvent
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, utc_day
+from queue_schemas.replay import is_terminal, read_log
 
 # Pools beside the default one, each there for a behaviour the tests need to see.
 EXTRA_POOLS = """
@@ -128,6 +129,20 @@ def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
     raw = asyncio.run(go())
     assert raw is not None, f"no heartbeat for {worker_id}"
     return decode(Heartbeat, raw)
+
+
+def terminal_log(endpoints: Endpoints, request_id: str) -> list[StreamEvent]:
+    """The request's replay log once it holds the terminal chunk; empty until then."""
+
+    async def go() -> list[StreamEvent]:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            return await read_log(redis, Names(), request_id)
+        finally:
+            await redis.aclose()
+
+    log = asyncio.run(go())
+    return log if log and is_terminal(log[-1]) else []
 
 
 _open_clients: list[openai.OpenAI] = []

@@ -25,7 +25,7 @@ from selenium.webdriver.common.by import By
 
 from infra.devstack import DevStack, Endpoints
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

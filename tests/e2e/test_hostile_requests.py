@@ -17,7 +17,7 @@ from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits
 from tests.e2e.conftest import openai_client, team_key
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def post(endpoints: Endpoints, key: str, body: bytes) -> httpx.Response:

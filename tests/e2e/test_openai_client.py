@@ -20,7 +20,7 @@ from queue_schemas.tokenizer import ByteTokenizer
 from tests.conftest import read_dead_letters
 from tests.e2e.conftest import openai_client
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 MODEL = "sluice-sim"
 MESSAGES: list[ChatCompletionMessageParam] = [

@@ -18,7 +18,7 @@ from queue_schemas.quota import TeamLimits
 from tests.e2e.conftest import day_used, openai_client, team_key
 from tests.e2e.test_streaming_contract import chat_prompt_ids
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 

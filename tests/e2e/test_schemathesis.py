@@ -19,7 +19,7 @@ from infra.devstack import Endpoints
 Operation = schemathesis.APIOperation[Any, Any, Any, Any]
 Case = schemathesis.Case[Any]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 
 EXAMPLES_PER_OPERATION = 40
 SERVED = ["sluice-sim", "sluice-tok"]

@@ -22,7 +22,7 @@ from queue_schemas.keys import hash_api_key
 from queue_schemas.names import Names
 from tests.e2e.conftest import openai_client, team_key
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 
 def redis_dump(endpoints: Endpoints) -> list[tuple[bytes, bytes]]:

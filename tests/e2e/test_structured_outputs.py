@@ -11,14 +11,17 @@ import pytest
 from jsonschema import validate
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
+from gpu_workers.simulated import answer_to, apply_stops, reply_text, structured_text
 from infra.devstack import Endpoints
+from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
 from queue_schemas.openai_types import ChatMessage
 from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import openai_client
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 MODEL = "sluice-sim"
+DEFAULT_MAX_TOKENS = 128  # the sim pool's default_max_tokens (queue_schemas/default_pools.toml)
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Plan a trip."}]
 TRIP = {
     "type": "object",
@@ -55,22 +58,39 @@ def trip_format() -> Any:
     return {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP, "strict": True}}
 
 
+def engine_answer(structured: StructuredOutput) -> str:
+    """What the simulated engine answers to ASK under this constraint: the answer is a function of the
+    prompt, max_tokens and the schema the worker received, so equality shows the worker got this one."""
+    request = InferenceRequest(
+        request_id="x" * 16, pool="sim", model=MODEL, team="t",
+        prompt_token_ids=tuple(ByteTokenizer().encode_chat([ChatMessage.model_validate(m) for m in ASK])),
+        sampling=SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, structured=structured),
+        created_at=0, deadline=1,
+    )  # fmt: skip
+    return structured_text(request, reply_text(request))
+
+
 def test_json_schema_whole_and_streamed(endpoints: Endpoints) -> None:
     client = openai_client(endpoints)
     reply = client.chat.completions.create(model=MODEL, messages=ASK, response_format=trip_format())
-    validate(json.loads(reply.choices[0].message.content or ""), TRIP)
+    whole = reply.choices[0].message.content or ""
+    validate(json.loads(whole), TRIP)
+    assert whole == engine_answer(StructuredOutput(kind="json_schema", schema_text=json.dumps(TRIP)))
     stream = client.chat.completions.create(
         model=MODEL, messages=ASK, response_format=trip_format(), stream=True
     )
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    validate(json.loads(text), TRIP)
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([c for c in chunks if c]) > 1, "streamed in pieces"
+    assert "".join(chunks) == whole, "the pieces reassemble into the same answer"
 
 
 def test_json_object(endpoints: Endpoints) -> None:
     reply = openai_client(endpoints).chat.completions.create(
         model=MODEL, messages=ASK, response_format={"type": "json_object"}
     )
-    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+    text = reply.choices[0].message.content or ""
+    assert isinstance(json.loads(text), dict)
+    assert text == engine_answer(StructuredOutput(kind="json_object"))
 
 
 def test_named_tool_call_whole_and_streamed(endpoints: Endpoints) -> None:
@@ -136,10 +156,13 @@ def test_tool_history_is_rendered_and_counted(endpoints: Endpoints) -> None:
     expected = ByteTokenizer().encode_chat(
         [ChatMessage.model_validate(m) for m in history], [dict(t) for t in TOOLS]
     )
+    assert b"Oslo" in bytes(expected)  # the earlier call and the tool result are rendered
+    assert b"get_time" in bytes(expected)  # and so are the tool definitions
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == len(expected)
-    assert b"Oslo" in bytes(expected), "the earlier call reaches the model"
-    assert b"get_time" in bytes(expected), "the tool definitions reach the model"
+    # The simulated engine answers as a function of the prompt ids it received: these ones.
+    answer, _ = apply_stops(answer_to(expected), DEFAULT_MAX_TOKENS, ())
+    assert reply.choices[0].message.content == answer
 
 
 @pytest.mark.parametrize(

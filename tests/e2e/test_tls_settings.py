@@ -18,7 +18,7 @@ import pytest
 from infra.devstack import DevStack, Endpoints
 from tests.tls import TlsProxy, make_certificates
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 POOLS = """
 [[pools]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, K
 from queue_schemas.model_store import ModelStore
 from queue_schemas.prefix import block_hashes, cache_salt
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT), pytest.mark.asyncio(loop_scope="module")]
 
@@ -40,9 +40,26 @@ async def collect(engine: VllmEngine, request: InferenceRequest) -> list[EngineO
 async def settled_stats(engine: VllmEngine) -> tuple[int, int]:
     """Run a one-token request to completion so the engine steps and reports; then (running, free)."""
     await collect(engine, request_for([5, 6, 7], max_tokens=1, rid="probe-0000000000000001"))
-    await asyncio.sleep(0.2)
+
+    async def idle() -> bool:
+        return engine.stats().running == 0
+
+    await eventually(idle, 10, "the engine's stats reporting no running request")
     stats = engine.stats()
     return stats.running, stats.kv_blocks_free
+
+
+async def stored_events(engine: VllmEngine, expected: set[str]) -> set[str]:
+    """Every hash the engine's KV events report stored, read until they include `expected`."""
+    stored: set[str] = set()
+
+    async def seen() -> bool:
+        changes = engine.take_kv_changes()
+        stored.update(h for kind, hashes in changes if kind is KvEventKind.STORED for h in hashes)
+        return expected <= stored
+
+    await eventually(seen, 10, f"KV events storing {len(expected)} blocks")
+    return stored
 
 
 async def test_streams_deltas_then_a_final_with_usage(engine: VllmEngine) -> None:
@@ -81,9 +98,8 @@ async def test_same_prompt_twice_hits_the_prefix_cache(engine: VllmEngine) -> No
     second = await collect(engine, request_for(prompt, max_tokens=4, rid="prefix-00000000000002"))
     assert first[-1].cached_tokens == 0
     assert second[-1].cached_tokens == 2 * BLOCK
-    await asyncio.sleep(0.3)
-    stored = {h for kind, hashes in engine.take_kv_changes() if kind is KvEventKind.STORED for h in hashes}
-    assert set(block_hashes(prompt, BLOCK)) <= stored, "the engine's events name the chain hashes"
+    # The engine's events name the chain hashes.
+    await stored_events(engine, set(block_hashes(prompt, BLOCK)))
     stats = engine.stats()
     assert stats.prefix_hit_tokens >= 2 * BLOCK
     assert stats.prefix_query_tokens > stats.prefix_hit_tokens
@@ -97,10 +113,8 @@ async def test_a_cached_prefix_is_reused_only_under_the_same_salt(engine: VllmEn
     again = await collect(engine, request_for(prompt, max_tokens=4, rid="salt-a-00000000002", salt=team_a))
     other = await collect(engine, request_for(prompt, max_tokens=4, rid="salt-b-00000000001", salt=team_b))
     assert [first[-1].cached_tokens, again[-1].cached_tokens, other[-1].cached_tokens] == [0, 2 * BLOCK, 0]
-    await asyncio.sleep(0.3)
-    stored = {h for kind, hashes in engine.take_kv_changes() if kind is KvEventKind.STORED for h in hashes}
     salted_a, salted_b = (set(block_hashes(prompt, BLOCK, salt=s)) for s in (team_a, team_b))
-    assert salted_a | salted_b <= stored, "the events name each team's salted chain"
+    stored = await stored_events(engine, salted_a | salted_b)  # each team's salted chain is named
     assert not set(block_hashes(prompt, BLOCK)) & stored, "no unsalted name for a salted prompt"
 
 
@@ -109,6 +123,11 @@ async def test_stop_sequences_and_sampling_fields_reach_the_engine(engine: VllmE
     text = "".join(o.text for o in greedy)
     again = await collect(engine, request_for([20, 21, 22], max_tokens=8, rid="req-0000000000000002"))
     assert "".join(o.text for o in again) == text, "greedy decoding is repeatable"
+    # A stop string from the middle of the greedy answer ends the same answer just before it.
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 1) if text[i : i + 2].strip())
+    stopped = await collect(engine, request_for([20, 21, 22], 8, "stop-000000000000001", stop=[stop]))
+    assert "".join(o.text for o in stopped) == text[: text.index(stop)]
+    assert stopped[-1].finish_reason is FinishReason.STOP
     seeded = [
         "".join(
             o.text

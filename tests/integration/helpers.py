@@ -45,6 +45,7 @@ from queue_schemas.settings import BusSettings
 from queue_schemas.signing import load_private_key, sign_record
 from queue_schemas.tokenizer import ByteTokenizer
 from tests.conftest import Bus
+from tests.waiting import eventually
 
 
 async def create_topics(settings: BusSettings, *topics: str, partitions: int = 2) -> None:
@@ -80,12 +81,37 @@ class Pipeline:
 
 
 async def _wait_ready(redis: aioredis.Redis, key: str) -> None:
-    for _ in range(200):
+    async def ready() -> bool:
         raw = await redis.get(key)
-        if raw and b'"state":"ready"' in raw:
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"no ready heartbeat at {key}")
+        return raw is not None and decode(Heartbeat, raw).state is WorkerState.READY
+
+    await eventually(ready, 10, f"a ready heartbeat at {key}")
+
+
+async def wait_workers(
+    redis: aioredis.Redis, settings: BusSettings, ids: list[str], pool: str = "sim"
+) -> None:
+    """Until every one of the workers has reported ready."""
+
+    async def ready() -> bool:
+        raws = await redis.mget([settings.names.heartbeat(pool, w) for w in ids])
+        return all(raw is not None and decode(Heartbeat, raw).state is WorkerState.READY for raw in raws)
+
+    await eventually(ready, 30, f"workers {ids} ready")
+
+
+async def leased(
+    redis: aioredis.Redis, settings: BusSettings, topics: list[str], partitions: int, holders: int
+) -> None:
+    """Until every partition of the topics is leased, and split among `holders` dispatchers."""
+    lease = settings.names.partition_lease("sim")
+    keys = [lease.format(topic=t, partition=p) for t in topics for p in range(partitions)]
+
+    async def split() -> list[bytes | None] | None:
+        owners = await redis.mget(keys)
+        return owners if None not in owners and len(set(owners)) == holders else None
+
+    await eventually(split, 30, f"partitions of {topics} leased to {holders} dispatchers")
 
 
 @contextlib.asynccontextmanager
@@ -151,13 +177,11 @@ async def pipeline(
 
 
 async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while asyncio.get_running_loop().time() < deadline:
+    async def reported() -> bool:
         raw = await p.redis.get(p.settings.names.heartbeat("sim", worker_id))
-        if raw is not None and decode(Heartbeat, raw).state is state:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{worker_id} never reported {state.value}")
+        return raw is not None and decode(Heartbeat, raw).state is state
+
+    await eventually(reported, within_s, f"{worker_id} reporting {state.value}")
 
 
 class Services:

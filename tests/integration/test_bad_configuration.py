@@ -17,7 +17,7 @@ from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.state import read_heartbeats
 from tests.conftest import Bus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 
 def run(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from queue_schemas.quota import TeamLimits, TeamRecord
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
@@ -17,8 +15,6 @@ from tests.integration.helpers import (
     register_signer,
     submission,
 )
-
-pytestmark = pytest.mark.integration
 
 
 async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) -> None:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,11 @@ from queue_schemas.clients import redis_client
 from queue_schemas.quota import TeamRecord
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import Services, create_topics, produce
-from tests.integration.test_failover import POOL_FILE, wait_workers
+from tests.integration.helpers import Services, create_topics, leased, produce, wait_workers
+from tests.integration.test_failover import POOL_FILE
+from tests.waiting import eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 LINES = 1000
 MALFORMED = {17: "{not json", 250: json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}})}
@@ -60,10 +60,10 @@ def output_lines(path: Path) -> list[dict[str, Any]]:
 
 
 async def wait_for_lines(path: Path, at_least: int, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while len(output_lines(path)) < at_least:
-        assert time.monotonic() < deadline, f"only {len(output_lines(path))} answers"
-        await asyncio.sleep(0.2)
+    async def enough() -> bool:
+        return len(output_lines(path)) >= at_least
+
+    await eventually(enough, within_s, f"{at_least} answers in {path.name}")
 
 
 async def keys_on(settings: BusSettings, topic: str) -> Counter[bytes]:
@@ -108,7 +108,7 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         for i in range(2):
             services.start(f"worker-{i}", "worker", "--pool", "sim", "--worker-id", f"w{i}")
         await wait_workers(redis, settings, ["w0", "w1"])
-        await asyncio.sleep(3)  # the dispatchers form their group
+        await leased(redis, settings, [names.requests_topic("sim"), names.batch_topic("sim")], 4, 2)
 
         first = await asyncio.create_subprocess_exec(
             *cli, env=services.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -30,7 +30,7 @@ from tests.integration.helpers import (
 )
 from tests.integration.test_dispatch_path import send_and_collect
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 VICTIM = "victim.answers"  # owned by no team: nothing may ever be answered there
 BODIES = [

@@ -20,7 +20,7 @@ from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, read_log
 from tests.conftest import Bus
 from tests.integration.helpers import make_request
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 async def test_the_first_chunk_goes_out_only_with_a_successful_start(bus: Bus) -> None:

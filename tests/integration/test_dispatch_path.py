@@ -23,7 +23,7 @@ from queue_schemas.messages import (
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import Pipeline, make_request, pipeline, wait_state
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 async def collect_events(

@@ -14,13 +14,23 @@ from aiokafka import AIOKafkaProducer
 from gpu_workers.simulated import apply_stops, reply_text
 from infra.launcher import free_port
 from queue_schemas.clients import producer_options, redis_client
-from queue_schemas.codec import decode, encode
-from queue_schemas.messages import FinalChunk, Heartbeat, StreamEvent, TokenChunk
+from queue_schemas.codec import encode
+from queue_schemas.messages import FinalChunk, StreamEvent, TokenChunk
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
-from tests.integration.helpers import Services, collect, create_topics, make_request, send_requests, terminals
+from tests.integration.helpers import (
+    Services,
+    collect,
+    create_topics,
+    leased,
+    make_request,
+    send_requests,
+    terminals,
+    wait_workers,
+)
+from tests.waiting import eventually
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 POOL_FILE = """
 [[pools]]
@@ -34,40 +44,18 @@ max_running = {max_running}
 """
 
 
-async def wait_workers(redis: aioredis.Redis, settings: BusSettings, ids: list[str]) -> None:
-    for _ in range(300):
-        raws = await redis.mget([settings.names.heartbeat("sim", w) for w in ids])
-        if all(raw is not None and decode(Heartbeat, raw).state == "ready" for raw in raws):
-            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError("workers not ready")
-
-
-async def leased(redis: aioredis.Redis, settings: BusSettings, dispatchers: int) -> None:
-    """Until every partition of the requests topic is leased, and split among `dispatchers` holders."""
-    lease = settings.names.partition_lease("sim")
-    keys = [lease.format(topic=settings.names.requests_topic("sim"), partition=p) for p in range(4)]
-    for _ in range(300):
-        owners = await redis.mget(keys)
-        if None not in owners and len(set(owners)) == dispatchers:
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"partitions not leased to {dispatchers} dispatchers: {owners}")
-
-
 async def streaming_on(
     redis: aioredis.Redis, settings: BusSettings, worker: str, request_ids: list[str]
 ) -> None:
     """Until a request placed on `worker` has sent two chunks."""
     names = settings.names
-    for _ in range(400):
+
+    async def streaming() -> bool:
         owners = await redis.mget([names.placement(r) for r in request_ids])
         mine = [r for r, o in zip(request_ids, owners, strict=True) if o == worker.encode()]
-        for rid in mine:
-            if await redis.hlen(names.replay(rid)) >= 2:
-                return
-        await asyncio.sleep(0.02)
-    raise TimeoutError(f"nothing streamed from {worker}")
+        return any([await redis.hlen(names.replay(rid)) >= 2 for rid in mine])
+
+    await eventually(streaming, 10, f"a request streaming from {worker}")
 
 
 def scrape(port: int, name: str, labels: str) -> float:
@@ -112,7 +100,7 @@ async def run_load(
     ready = asyncio.Event()
     collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 60, ready))
     await ready.wait()
-    await leased(redis, settings, dispatchers)
+    await leased(redis, settings, [settings.names.requests_topic("sim")], 4, dispatchers)
     for i, req in enumerate(requests):
         await producer.send_and_wait(settings.names.requests_topic("sim"), encode(req), key=str(i).encode())
         if i == count // 3:
@@ -184,7 +172,7 @@ async def test_a_worker_restarted_under_its_own_name_goes_on_from_what_it_left(
         services.start("dispatcher-0", "dispatcher", "--pool", "sim")
         services.start("worker-0", "worker", "--pool", "sim", "--worker-id", "w0")
         await wait_workers(redis, settings, ["w0"])
-        await leased(redis, settings, 1)
+        await leased(redis, settings, [names.requests_topic("sim")], 4, 1)
         requests = [make_request("sim", f"req-same-name-{i:04d}", max_tokens=20) for i in range(4)]
         ready = asyncio.Event()
         collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 60, ready))

@@ -30,7 +30,7 @@ from tests.integration.helpers import (
 )
 from tests.integration.test_dispatch_path import send_and_collect
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 async def wait_acknowledged(p: Pipeline, within_s: float = 5.0) -> None:

@@ -24,7 +24,7 @@ from scaler.backends import DrainAsks
 from scaler.kubernetes import KubernetesBackend
 from scaler.policy import Verdict
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from scaler.service import LagReader
 from tests.conftest import Bus
 from tests.integration.helpers import create_topics
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.asynccontextmanager

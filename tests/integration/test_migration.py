@@ -45,7 +45,7 @@ from tests.integration.helpers import (
     wait_state,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 DYING = SimulatedEngineConfig(ttft_ms=5, token_ms=10, die_after_tokens=30)
 HEALTHY = SimulatedEngineConfig(ttft_ms=5, token_ms=10)

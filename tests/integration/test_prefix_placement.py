@@ -20,7 +20,7 @@ from queue_schemas.prefix import block_hashes
 from tests.conftest import Bus
 from tests.integration.helpers import pipeline
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 TENANTS = 8
 PREFIX_TOKENS = 40 * 16

@@ -12,7 +12,7 @@ from queue_schemas.clients import redis_client
 from queue_schemas.publisher import PipelinedPublisher
 from tests.conftest import Bus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 async def test_concurrent_publishes_share_round_trips_and_keep_per_channel_order(bus: Bus) -> None:

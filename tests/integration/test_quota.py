@@ -16,7 +16,7 @@ from queue_schemas.quota import TeamLimits, settle, utc_day
 from queue_schemas.quota_gate import QuotaGate
 from tests.conftest import Bus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture

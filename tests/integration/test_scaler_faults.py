@@ -19,7 +19,7 @@ from infra.launcher import free_port
 from tests.conftest import Bus
 from tests.integration.helpers import Services, create_topics
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 POOL_FILE = """
 [[pools]]

@@ -20,7 +20,7 @@ from queue_schemas.messages import FinalChunk, TokenChunk
 from tests.conftest import Bus
 from tests.integration.helpers import Services, collect, create_topics, make_request, send_requests, terminals
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+pytestmark = pytest.mark.timeout(150)
 
 POOL_FILE = """
 [[pools]]

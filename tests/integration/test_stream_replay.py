@@ -27,7 +27,7 @@ from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
 from tests.integration.helpers import make_request, pipeline
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 SLOW = SimulatedEngineConfig(ttft_ms=5, token_ms=25)
 

@@ -7,7 +7,7 @@ import pytest
 from infra.topics import create_topics
 from tests.conftest import Bus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 async def test_topics_are_created_once_and_kept_on_a_second_run(bus: Bus) -> None:

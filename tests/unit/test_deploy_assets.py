@@ -7,15 +7,19 @@ export; the manifests validate against the Kubernetes API schemas (strict: unkno
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from collections.abc import Iterator
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from prometheus_client import REGISTRY
+from prometheus_client.metrics import MetricWrapperBase
 from pydantic_settings import BaseSettings
 
 import dispatcher.metrics
@@ -29,6 +33,7 @@ from queue_schemas.config import SluiceConfig, load_config
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 from scaler.settings import ScalerSettings
+from tests.tools import promtool
 
 ROOT = Path(__file__).parents[2]
 DEPLOY = ROOT / "infra" / "deploy"
@@ -312,24 +317,17 @@ def test_broker_acls_are_shipped_and_only_the_ingress_writes_requests() -> None:
 
 
 def exported_metric_names() -> set[str]:
-    for module in (ingress.metrics, scaler.metrics, dispatcher.metrics):
-        assert module.__name__  # imported: their collectors are in the default registry
+    """Every series name the services' metric modules define (a histogram or counter exports several)."""
     names = set()
-    for metric in REGISTRY.collect():
-        names.add(metric.name)
-        for sample in metric.samples:
-            names.add(sample.name)
-    # Histograms and labelled series show no samples until used; add their standard series names.
-    for collector in list(REGISTRY._names_to_collectors.values()):
-        base = getattr(collector, "_name", None)
-        if base:
-            names |= {base, f"{base}_bucket", f"{base}_total", f"{base}_count", f"{base}_sum"}
+    for module in (ingress.metrics, scaler.metrics, dispatcher.metrics):
+        for metric in vars(module).values():
+            if isinstance(metric, MetricWrapperBase):
+                base = metric._name
+                names |= {base, f"{base}_bucket", f"{base}_total", f"{base}_count", f"{base}_sum"}
     return names
 
 
 def test_grafana_panels_query_metrics_the_services_export() -> None:
-    import json
-
     dashboard = json.loads((DEPLOY / "grafana" / "sluice-dashboard.json").read_text())
     exported = exported_metric_names()
     queried = set()
@@ -343,8 +341,30 @@ def test_grafana_panels_query_metrics_the_services_export() -> None:
         assert topic in titles, f"no panel about {topic}"
 
 
-@pytest.mark.parametrize(
-    "path", ["grafana/provisioning/datasources/prometheus.yaml", "prometheus/prometheus.yml"]
-)
-def test_monitoring_configuration_parses(path: str) -> None:
-    assert yaml.safe_load((DEPLOY / path).read_text())
+def test_compose_file_follows_the_compose_specification() -> None:
+    """Against the Compose specification's JSON schema (as vendored by check-jsonschema)."""
+    schema = json.loads(
+        files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text()
+    )
+    jsonschema.validate(compose(), schema)
+    misspelt = {**compose(), "services": {"ingress": {"image": "x", "restart_policy": "always"}}}
+    with pytest.raises(jsonschema.ValidationError, match="restart_policy"):  # it checks each service
+        jsonschema.validate(misspelt, schema)
+
+
+def test_prometheus_configuration_passes_promtool() -> None:
+    checked = subprocess.run(
+        [promtool(), "check", "config", "--syntax-only", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS" in checked.stdout + checked.stderr
+
+
+def test_grafana_datasource_points_at_the_prometheus_service() -> None:
+    provisioning = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    (source,) = provisioning["datasources"]
+    assert source["type"] == "prometheus"
+    published = compose()["services"]["prometheus"]["ports"][0]  # HOST:PORT:CONTAINER_PORT
+    assert source["url"] == f"http://prometheus:{published.rsplit(':', 1)[1]}"
