@@ -107,9 +107,9 @@ async def leased(
     lease = settings.names.partition_lease("sim")
     keys = [lease.format(topic=t, partition=p) for t in topics for p in range(partitions)]
 
-    async def split() -> list[bytes | None] | None:
+    async def split() -> bool:
         owners = await redis.mget(keys)
-        return owners if None not in owners and len(set(owners)) == holders else None
+        return None not in owners and len(set(owners)) == holders
 
     await eventually(split, 30, f"partitions of {topics} leased to {holders} dispatchers")
 
