@@ -25,6 +25,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from pydantic import BaseModel, Field, SecretStr
 
 from gpu_workers.kv_publisher import KvMirror
+from infra.models import build_tiny_llama
 from queue_schemas.codec import decode
 from queue_schemas.messages import KvEvent
 from queue_schemas.names import Names
@@ -352,11 +353,50 @@ def test_a_batch_file_through_kafka_with_the_dev_env(dev_run: DevRun, tmp_path: 
     assert lines["unknown-model"]["error"]["code"] == "invalid_line"
 
 
-def test_ctrl_c_stops_everything(dev_run: DevRun) -> None:
-    dev_run.proc.send_signal(signal.SIGINT)
-    code = dev_run.proc.wait(timeout=60)
-    assert code == 0, dev_run.stderr_path.read_text()
-    survivors = {name: pid for name, pid in dev_run.pids.items() if pid_alive(pid)}
+TINY_POOLS = """
+[[pools]]
+name = "tiny"
+model = "tiny"
+engine = "vllm"
+block_size = 128
+context_tokens = 2048
+[pools.vllm]
+source = "{source}"
+kv_cache_gib = 0.25
+max_num_seqs = 8
+cpu_threads = 1
+
+[[pools]]
+name = "sim"
+model = "sluice-sim"
+engine = "simulated"
+"""
+
+
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    """Its own `sluice dev` (a tiny vLLM pool beside a simulated one), so the other tests' stack stays up
+    whatever order they run in."""
+    config = tmp_path / "pools.toml"
+    config.write_text(TINY_POOLS.format(source=build_tiny_llama(tmp_path / "tiny-llama")))
+    workdir, stderr_path = tmp_path / "dev", tmp_path / "dev.stderr"
+    argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir)]
+    with (
+        stderr_path.open("w") as stderr,
+        subprocess.Popen(
+            [*argv, "--config", str(config)], stdout=subprocess.PIPE, stderr=stderr, text=True
+        ) as proc,
+    ):
+        try:
+            run = _wait_for_stack(proc, workdir, stderr_path)
+            up = processes_with_env("SLUICE_REDIS_URL", run.env["SLUICE_REDIS_URL"])
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert code == 0, stderr_path.read_text()
+    assert len(up) >= 7, "ingress, the scaler, two dispatchers per pool and the workers were up"
+    survivors = {name: pid for name, pid in run.pids.items() if pid_alive(pid)}
     assert survivors == {}
-    leftover = processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])
+    leftover = processes_with_env("SLUICE_REDIS_URL", run.env["SLUICE_REDIS_URL"])
     assert leftover == [], "a worker started by the scaler (or its engine) survived"
