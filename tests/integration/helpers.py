@@ -44,6 +44,7 @@ from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 from queue_schemas.signing import load_private_key, sign_record
 from queue_schemas.tokenizer import ByteTokenizer
+from scaler.service import LagReader
 from tests.conftest import Bus
 from tests.waiting import eventually
 
@@ -86,6 +87,20 @@ async def _wait_ready(redis: aioredis.Redis, key: str) -> None:
         return raw is not None and decode(Heartbeat, raw).state is WorkerState.READY
 
     await eventually(ready, 10, f"a ready heartbeat at {key}")
+
+
+@contextlib.asynccontextmanager
+async def lag_reader(settings: BusSettings) -> AsyncIterator[LagReader]:
+    """The scaler's lag reader (an admin client and an offsets consumer), started and stopped with it."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    await consumer.start()
+    try:
+        yield LagReader(admin, consumer, settings.names)
+    finally:
+        await consumer.stop()
+        await admin.close()
 
 
 async def wait_workers(

@@ -23,12 +23,14 @@ from tests.conftest import Bus
 from tests.integration.helpers import (
     chat,
     create_topics,
+    lag_reader,
     make_request,
     pipeline,
     read_answers,
     register_signer,
 )
 from tests.integration.test_dispatch_path import send_and_collect
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -114,7 +116,13 @@ async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
                 assert not p.crashed()
         events = await send_and_collect(p, make_request("sim", "interactive-last", max_tokens=3), client)
         assert isinstance(events[-1], FinalChunk), events
-        await asyncio.sleep(1.0)  # let the last admissions finish before the victim topic is read
+        # Every batch record finished (answered, refused or dead-lettered) before the victim is read.
+        async with lag_reader(p.settings) as reader:
+
+            async def finished() -> bool:
+                return (await reader.read("sim", batch=True)).total == 0
+
+            await eventually(finished, 30, "every batch record's offset committed")
         assert await read_answers(p.settings.kafka_bootstrap, VICTIM, 1, 2) == []
         assert not p.crashed()
 
