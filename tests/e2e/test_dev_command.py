@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,26 +74,32 @@ class DevRun:
     curl_line: str
 
 
-@pytest.fixture(scope="module")
-def dev_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
-    """`sluice dev` with its defaults, in a subprocess; SmolLM2 is prepared in the repository's cache."""
-    tmp = tmp_path_factory.mktemp("dev")
-    workdir = tmp / "dev"
-    stderr_path = tmp / "dev.stderr"
-    models = Path(__file__).parents[2] / ".sluice" / "models"
-    argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir)]
+@contextmanager
+def sluice_dev(tmp: Path, *options: str) -> Iterator[DevRun]:
+    """`sluice dev` in a subprocess, up; stopped with Ctrl-C on the way out if it is still running."""
+    workdir, stderr_path = tmp / "dev", tmp / "dev.stderr"
+    argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir), *options]
     with (
         stderr_path.open("w") as stderr,
-        subprocess.Popen(
-            [*argv, "--models-dir", str(models)], stdout=subprocess.PIPE, stderr=stderr, text=True
-        ) as proc,
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True) as proc,
     ):
         try:
             yield _wait_for_stack(proc, workdir, stderr_path)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
-                proc.wait(timeout=60)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def dev_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
+    """`sluice dev` with its defaults; SmolLM2 is prepared in the repository's cache."""
+    models = Path(__file__).parents[2] / ".sluice" / "models"
+    with sluice_dev(tmp_path_factory.mktemp("dev"), "--models-dir", str(models)) as run:
+        yield run
 
 
 def _wait_for_stack(proc: subprocess.Popen[str], workdir: Path, stderr_path: Path) -> DevRun:
@@ -378,23 +385,11 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     whatever order they run in."""
     config = tmp_path / "pools.toml"
     config.write_text(TINY_POOLS.format(source=build_tiny_llama(tmp_path / "tiny-llama")))
-    workdir, stderr_path = tmp_path / "dev", tmp_path / "dev.stderr"
-    argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir)]
-    with (
-        stderr_path.open("w") as stderr,
-        subprocess.Popen(
-            [*argv, "--config", str(config)], stdout=subprocess.PIPE, stderr=stderr, text=True
-        ) as proc,
-    ):
-        try:
-            run = _wait_for_stack(proc, workdir, stderr_path)
-            up = processes_with_env("SLUICE_REDIS_URL", run.env["SLUICE_REDIS_URL"])
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert code == 0, stderr_path.read_text()
+    with sluice_dev(tmp_path, "--config", str(config)) as run:
+        up = processes_with_env("SLUICE_REDIS_URL", run.env["SLUICE_REDIS_URL"])
+        run.proc.send_signal(signal.SIGINT)
+        code = run.proc.wait(timeout=60)
+    assert code == 0, run.stderr_path.read_text()
     assert len(up) >= 7, "ingress, the scaler, two dispatchers per pool and the workers were up"
     survivors = {name: pid for name, pid in run.pids.items() if pid_alive(pid)}
     assert survivors == {}

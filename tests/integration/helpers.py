@@ -81,14 +81,6 @@ class Pipeline:
         return [t.exception() for t in self.services if t.done() and t.exception() is not None]  # type: ignore[misc]
 
 
-async def _wait_ready(redis: aioredis.Redis, key: str) -> None:
-    async def ready() -> bool:
-        raw = await redis.get(key)
-        return raw is not None and decode(Heartbeat, raw).state is WorkerState.READY
-
-    await eventually(ready, 10, f"a ready heartbeat at {key}")
-
-
 @contextlib.asynccontextmanager
 async def lag_reader(settings: BusSettings) -> AsyncIterator[LagReader]:
     """The scaler's lag reader (an admin client and an offsets consumer), started and stopped with it."""
@@ -104,15 +96,20 @@ async def lag_reader(settings: BusSettings) -> AsyncIterator[LagReader]:
 
 
 async def wait_workers(
-    redis: aioredis.Redis, settings: BusSettings, ids: list[str], pool: str = "sim"
+    redis: aioredis.Redis,
+    settings: BusSettings,
+    ids: list[str],
+    state: WorkerState = WorkerState.READY,
+    pool: str = "sim",
+    within_s: float = 30.0,
 ) -> None:
-    """Until every one of the workers has reported ready."""
+    """Until every one of the workers' heartbeats reports `state`."""
 
-    async def ready() -> bool:
+    async def reported() -> bool:
         raws = await redis.mget([settings.names.heartbeat(pool, w) for w in ids])
-        return all(raw is not None and decode(Heartbeat, raw).state is WorkerState.READY for raw in raws)
+        return all(raw is not None and decode(Heartbeat, raw).state is state for raw in raws)
 
-    await eventually(ready, 30, f"workers {ids} ready")
+    await eventually(reported, within_s, f"workers {ids} reporting {state.value}")
 
 
 async def leased(
@@ -176,8 +173,7 @@ async def pipeline(
         asyncio.create_task(Dispatcher(settings, redis, consumer, producer, ByteTokenizer()).run(stop))
     )
     try:
-        for wid in worker_ids:
-            await _wait_ready(redis, names.heartbeat(pool, wid))
+        await wait_workers(redis, settings, worker_ids, pool=pool, within_s=10)
         yield Pipeline(settings, redis, producer, worker_ids[0], tasks)
         assert not (crashed := Pipeline(settings, redis, producer, "", tasks).crashed()), crashed
     finally:
@@ -192,11 +188,7 @@ async def pipeline(
 
 
 async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
-    async def reported() -> bool:
-        raw = await p.redis.get(p.settings.names.heartbeat("sim", worker_id))
-        return raw is not None and decode(Heartbeat, raw).state is state
-
-    await eventually(reported, within_s, f"{worker_id} reporting {state.value}")
+    await wait_workers(p.redis, p.settings, [worker_id], state, within_s=within_s)
 
 
 class Services:

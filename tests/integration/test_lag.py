@@ -14,25 +14,20 @@ from queue_schemas.clients import consumer_options, producer_options, redis_clie
 from queue_schemas.settings import BusSettings
 from scaler.service import LagReader
 from tests.conftest import Bus
-from tests.integration.helpers import create_topics
+from tests.integration.helpers import create_topics, lag_reader
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @contextlib.asynccontextmanager
 async def clients(settings: BusSettings) -> AsyncIterator[tuple[AIOKafkaProducer, LagReader]]:
-    """A producer and a lag reader (admin client and offsets consumer), started and stopped together."""
+    """A producer and a lag reader, started and stopped together."""
     producer = AIOKafkaProducer(**producer_options(settings))
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    reader_consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
     await producer.start()
-    await admin.start()
-    await reader_consumer.start()
     try:
-        yield producer, LagReader(admin, reader_consumer, settings.names)
+        async with lag_reader(settings) as reader:
+            yield producer, reader
     finally:
-        await reader_consumer.stop()
-        await admin.close()
         await producer.stop()
 
 
