@@ -202,7 +202,7 @@ async def placements(endpoints: Endpoints, request_ids: list[str]) -> list[int]:
     names = Names()
     redis = aioredis.from_url(endpoints.redis_url)
     try:
-        found = [await redis.get(names.placement(rid)) for rid in request_ids]
+        found = await redis.mget([names.placement(rid) for rid in request_ids])
     finally:
         await redis.aclose()
     if any(w is None for w in found):
