@@ -14,7 +14,7 @@ from queue_schemas.admission import build_request, parse_body
 from queue_schemas.api_errors import InvalidRequest, NotFound
 from queue_schemas.batch import DEFAULT_COMPLETION_WINDOW_S, BatchSubmission, internal_request_id
 from queue_schemas.config import PoolConfig
-from queue_schemas.messages import BatchTicket, InferenceRequest, Priority, ReplyMode
+from queue_schemas.messages import BatchTicket, InferenceRequest, Priority, ReplyMode, Tier
 from queue_schemas.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields
 from queue_schemas.structured import (
     CompileCheck,
@@ -121,6 +121,7 @@ def batch_request(
     return request.model_copy(
         update={
             "priority": Priority.BATCH,
+            "tier": Tier.DEFAULT,  # a batch line's service_tier has no say: batch is the last band
             "reply": ReplyMode.KAFKA,
             "reply_topic": reply_topic,
             "batch": ticket,

@@ -1,20 +1,29 @@
 """The bounded hold of requests waiting for a worker. Pure bookkeeping.
 
-Order: priority class first (interactive before batch); within a class, the team that has been served
-the fewest tokens goes first (a virtual token counter, so one team's flood cannot starve the others);
-within a team, arrival order. A team that shows up after being idle starts level with the least-served
-active team, not at zero, so an idle spell does not buy it a burst.
+Order: band first, the engine priority of the request (interactive by service tier, priority then
+default then flex, and batch last), so the order before the engine and inside it is the same. Within a
+band, the team that has been served the fewest weighted tokens goes first (a virtual token counter: a
+team's tokens count 1/weight, so one team's flood cannot starve the others, and a team of weight 2 gets
+twice the share of a team of weight 1 while both wait); within a team, arrival order. A team that shows
+up after being idle starts level with the least-served active team, not at zero, so an idle spell does
+not buy it a burst.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from queue_schemas.messages import InferenceRequest, Priority
+from pydantic import ValidationError
 
-PRIORITY_ORDER = (Priority.INTERACTIVE, Priority.BATCH)
+from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, InferenceRequest, Priority
+from queue_schemas.quota import TeamRecord
+
+BANDS = (*sorted(ENGINE_PRIORITY.values()), BATCH_ENGINE_PRIORITY)
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -24,7 +33,7 @@ class Held:
     offset: int | None
     arrived: float
     moved_from: str | None = None
-    order: int = field(default=0)
+    band: int = field(default=0)  # its band when it joined the hold (its request may be rewritten since)
     not_before: float = 0.0  # epoch seconds; a rate-limited batch request waits until then
     reserved: bool = False  # its quota is reserved (batch requests reserve when a worker is found)
     taken_over: InferenceRequest | None = None  # moved: the request as it was on the lost worker
@@ -34,13 +43,64 @@ class Held:
         return len(self.request.prompt_token_ids) + self.request.sampling.max_tokens
 
 
+class FairQueue(Generic[T]):
+    """The hold's order over any kind of item (the dispatcher's held requests, the simulator's requests):
+    bands in BANDS order; within a band, teams by weighted tokens served, round-robin; within a team,
+    arrival order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, dict[str, deque[tuple[int, T]]]] = {band: {} for band in BANDS}
+        self._served: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+        self._counter = itertools.count()
+
+    def teams(self) -> set[str]:
+        return {t for q in self._queues.values() for t in q}
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Teams' weights (1 for a team not named); they apply to tokens charged from now on."""
+        self._weights = {t: w for t, w in weights.items() if w > 0}
+
+    def add(self, item: T, band: int, team: str) -> None:
+        teams = self._queues[band]
+        if team not in teams:
+            # A team that was idle starts level with the least-served active team.
+            active = [self._served.get(t, 0.0) for q in self._queues.values() for t in q]
+            floor = min(active) if active else 0.0
+            self._served[team] = max(self._served.get(team, 0.0), floor)
+            teams[team] = deque()
+        teams[team].append((next(self._counter), item))
+
+    def remove(self, item: T, band: int, team: str) -> None:
+        teams = self._queues[band]
+        queue = teams[team]
+        for i, (_, queued) in enumerate(queue):
+            if queued is item:
+                del queue[i]
+                break
+        if not queue:
+            del teams[team]
+
+    def charge(self, team: str, tokens: int) -> None:
+        """Count tokens served to a team once its request is placed, scaled by 1/weight."""
+        self._served[team] = self._served.get(team, 0.0) + tokens / self._weights.get(team, 1.0)
+
+    def ordered(self) -> Iterator[T]:
+        """Items in the order they should be offered to workers. Lazy: take what a round needs, and
+        change the queue (remove, charge) only after the round."""
+        for band in BANDS:
+            teams = self._queues[band]
+            by_team = sorted(teams, key=lambda t: (self._served.get(t, 0.0), teams[t][0][0]))
+            # Round-robin the teams in served order, so each team's head comes before any team's second.
+            for round_ in itertools.zip_longest(*(teams[t] for t in by_team)):
+                yield from (entry[1] for entry in round_ if entry is not None)
+
+
 class Hold:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._queues: dict[Priority, dict[str, list[Held]]] = {p: {} for p in PRIORITY_ORDER}
-        self._served: dict[str, float] = {}
+        self._order: FairQueue[Held] = FairQueue()
         self._by_id: dict[str, Held] = {}
-        self._counter = itertools.count()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -57,48 +117,42 @@ class Hold:
         return request_id in self._by_id
 
     def size(self, priority: Priority) -> int:
-        return sum(len(q) for q in self._queues[priority].values())
+        return sum(1 for h in self._by_id.values() if h.request.priority is priority)
+
+    def held_by_team(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for held in self._by_id.values():
+            counts[held.request.team] = counts.get(held.request.team, 0) + 1
+        return counts
+
+    def teams(self) -> set[str]:
+        return self._order.teams()
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        self._order.set_weights(weights)
 
     def add(self, held: Held) -> bool:
         """Hold a request; False if one with the same id is already held (a duplicate delivery)."""
         rid = held.request.request_id
         if rid in self._by_id:
             return False
-        held.order = next(self._counter)
-        team = held.request.team
-        teams = self._queues[held.request.priority]
-        if team not in teams:
-            active = [self._served.get(t, 0.0) for q in self._queues.values() for t in q]
-            floor = min(active) if active else 0.0
-            self._served[team] = max(self._served.get(team, 0.0), floor)
-            teams[team] = []
-        teams[team].append(held)
+        held.band = held.request.engine_priority
+        self._order.add(held, held.band, held.request.team)
         self._by_id[rid] = held
         return True
 
     def remove(self, request_id: str) -> Held | None:
         held = self._by_id.pop(request_id, None)
-        if held is None:
-            return None
-        teams = self._queues[held.request.priority]
-        queue = teams[held.request.team]
-        queue.remove(held)
-        if not queue:
-            del teams[held.request.team]
+        if held is not None:
+            self._order.remove(held, held.band, held.request.team)
         return held
 
     def charge(self, team: str, tokens: int) -> None:
-        """Count tokens served to a team once its request is placed."""
-        self._served[team] = self._served.get(team, 0.0) + tokens
+        self._order.charge(team, tokens)
 
     def ordered(self) -> Iterator[Held]:
         """Held requests in the order they should be offered to workers."""
-        for priority in PRIORITY_ORDER:
-            teams = self._queues[priority]
-            by_team = sorted(teams, key=lambda t: (self._served.get(t, 0.0), teams[t][0].order))
-            # Round-robin the teams in served order, so each team's head comes before any team's second.
-            for round_ in itertools.zip_longest(*(teams[t] for t in by_team)):
-                yield from (h for h in round_ if h is not None)
+        return self._order.ordered()
 
     def expired(self, now: float) -> list[Held]:
         return [h for h in self._by_id.values() if now > h.request.start_deadline()]
@@ -108,3 +162,17 @@ class Hold:
 
     def all(self) -> list[Held]:
         return list(self._by_id.values())
+
+
+def team_weights(teams: Sequence[str], records: Sequence[bytes | str | None]) -> dict[str, float]:
+    """Weights from the teams' stored records (None where a team has none, or its record is unreadable:
+    such a team weighs 1)."""
+    weights: dict[str, float] = {}
+    for team, raw in zip(teams, records, strict=True):
+        if raw is None:
+            continue
+        try:
+            weights[team] = TeamRecord.model_validate_json(raw).weight
+        except ValidationError:
+            continue
+    return weights

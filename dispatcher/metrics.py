@@ -24,6 +24,14 @@ QUEUED_SECONDS = Histogram(
 HOLD_SIZE = Gauge(
     "sluice_dispatcher_held_requests", "Requests held for lack of a worker", ["pool", "priority"]
 )
+TEAM_HELD = Gauge(
+    "sluice_dispatcher_team_held_requests", "Requests held for lack of a worker, per team", ["pool", "team"]
+)
+TEAM_PLACED_TOKENS = Counter(
+    "sluice_dispatcher_team_placed_tokens",
+    "Tokens placed on workers per team (prompt plus max_tokens, what the fair order counts)",
+    ["pool", "team"],
+)
 PREFIX_BLOCKS = Counter(
     "sluice_dispatcher_prefix_blocks_total",
     "Prompt blocks of placed requests, and how many were already cached on the chosen worker",

@@ -1,7 +1,7 @@
 """Placement decisions. Pure: the live dispatcher, the tests and the simulator call the same code.
 
 Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
-expected output after a reserve, queue under a cap; batch requests also leave spare KV blocks and
+expected output after a reserve, queue under its depth; batch requests also leave spare KV blocks and
 running slots), then a
 weighted sum of clamped terms: prefix match ratio, KV headroom after placement, and queue depth relative
 to the other candidates. Ties are broken at random.
@@ -13,6 +13,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
@@ -34,6 +35,13 @@ class PlacementPolicy:
     # that worker, for up to `spill_after_s`, and only then goes wherever it fits.
     spill_tokens: int = 2048
     spill_after_s: float = 5.0
+    # How much may wait at a worker beyond its running slots. `derived`: what it finishes in `refill_s`
+    # (its measured completion rate), at least `min_queue`, at most `max_queue`: enough that a slot it
+    # frees finds the next request there while the dispatcher refills it, and no more, so waiting
+    # happens in the dispatcher's hold, where the team order applies. `fixed`: `max_queue` queued.
+    queue_depth: Literal["derived", "fixed"] = "derived"
+    refill_s: float = 0.1
+    min_queue: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +115,31 @@ def batch_room(worker: WorkerSnapshot, after: float, policy: PlacementPolicy) ->
     return slots <= 0 or worker.load < slots * (1 - policy.batch_headroom_fraction)
 
 
+def queue_depth(heartbeat: Heartbeat, policy: PlacementPolicy) -> int:
+    """How many requests may wait at a worker beyond its running slots (see PlacementPolicy)."""
+    if policy.queue_depth == "fixed":
+        return policy.max_queue
+    derived = math.ceil(heartbeat.completed_per_s * policy.refill_s)
+    return max(1, min(policy.max_queue, max(policy.min_queue, derived)))
+
+
+def queue_full(worker: WorkerSnapshot, policy: PlacementPolicy) -> bool:
+    """Whether as much waits at the worker as its depth allows. With a derived depth, what waits is its
+    load beyond its running slots (placements its last heartbeat does not show yet count), or, once it
+    reports a queue (its engine short of KV blocks, say), everything queued there."""
+    hb = worker.heartbeat
+    depth = queue_depth(hb, policy)
+    if policy.queue_depth == "fixed" or hb.max_running <= 0:
+        return worker.queue >= depth
+    queued = worker.queue if hb.waiting + hb.inbox_pending else 0
+    return max(worker.load - hb.max_running, queued) >= depth
+
+
 def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy) -> str | None:
     """Why the worker cannot take the request now, or None if it can."""
     if not is_eligible(worker, now):
         return "not ready or stale"
-    if worker.queue >= policy.max_queue:
+    if queue_full(worker, policy):
         return "queue full"
     needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
     after = headroom_after(worker, needed)

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from dispatcher import metrics
 from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
-from dispatcher.hold import Held, Hold
+from dispatcher.hold import Held, Hold, team_weights
 from dispatcher.in_flight import InFlight
 from dispatcher.leases import LeasedPartitions, Leases
 from dispatcher.migration import decide_move
@@ -88,6 +88,7 @@ class Dispatcher:
         self.policy = settings.policy()
         self.rng = random.Random()
         self._paused: set[str] = set()  # topics whose partitions are paused
+        self._teams_seen: set[str] = set()  # teams with a held-requests gauge
         self._background: list[asyncio.Task[None]] = []
         self._unadmitted: list[ConsumerRecord[Any, Any]] = []
         self.in_flight = InFlight()  # batch admissions and answers under way
@@ -109,6 +110,7 @@ class Dispatcher:
                 follow_channel(self.redis, self.names.heartbeat_channel(self.pool), self._on_heartbeat)
             ),
             asyncio.create_task(report_loop(self, stop), name="report"),
+            asyncio.create_task(self._weights_loop(stop), name="team-weights"),
         ]
         log.info("dispatcher consuming", topics=[self.topic, self.batch_topic])
         try:
@@ -273,6 +275,7 @@ class Dispatcher:
                 )  # fmt: skip
             self._finish(held)
             self.hold.charge(request.team, held.cost)
+            metrics.TEAM_PLACED_TOKENS.labels(self.pool, request.team).inc(held.cost)
             self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
             metrics.PLACEMENTS.labels(self.pool).inc()
             metrics.QUEUED_SECONDS.labels(self.pool).observe(time.monotonic() - held.arrived)
@@ -379,6 +382,12 @@ class Dispatcher:
     def _export_hold(self) -> None:
         for priority in Priority:
             metrics.HOLD_SIZE.labels(self.pool, priority.value).set(self.hold.size(priority))
+        held = self.hold.held_by_team()
+        for team in self._teams_seen - held.keys():
+            metrics.TEAM_HELD.labels(self.pool, team).set(0)
+        for team, count in held.items():
+            metrics.TEAM_HELD.labels(self.pool, team).set(count)
+        self._teams_seen |= held.keys()
 
     def revoked(self, partitions: set[tuple[str, int]]) -> None:
         """Partitions moved to another member: forget what was held from them; it is redelivered there."""
@@ -416,6 +425,18 @@ class Dispatcher:
                 to_place = True
             if to_place and self.hold.add(held):
                 metrics.RECOVERED.labels(self.pool).inc()
+
+    async def _weights_loop(self, stop: asyncio.Event) -> None:
+        """Keep the hold's team weights to the team records, re-read every few seconds."""
+        while not stop.is_set():
+            teams = sorted(self.hold.teams())
+            if teams:
+                try:
+                    raw = await self.redis.mget([self.names.team(t) for t in teams])
+                    self.hold.set_weights(team_weights(teams, raw))
+                except RedisError as exc:
+                    log.warning("team weights not read", error=str(exc))
+            await asyncio.sleep(self.settings.weights_refresh_s)
 
     async def _kv_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

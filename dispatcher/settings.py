@@ -19,6 +19,7 @@ class DispatcherSettings(BusSettings):
     batch_per_round: int = Field(
         default=8, gt=0, description="batch requests tried per placement round, between receives"
     )
+    weights_refresh_s: float = Field(default=5.0, gt=0, description="how often team weights are re-read")
     fetch_max_records: int = Field(default=256, gt=0)
     max_misses_per_round: int = Field(
         default=16, gt=0, description="held requests tried per round if none fit"
@@ -46,8 +47,17 @@ class DispatcherSettings(BusSettings):
     queue_weight: float = Field(default=2.0, ge=0)
     kv_reserve_fraction: float = Field(default=0.05, ge=0, lt=1)
     max_queue: int = Field(
-        default=64, gt=0, description="a worker with this many queued requests takes no more"
+        default=64, gt=0, description="the most requests queued at a worker (the fixed depth)"
     )
+    queue_depth: Literal["derived", "fixed"] = Field(
+        default="derived",
+        description="derived: a worker queues beyond its slots what it finishes in queue_refill_s; "
+        "fixed: max_queue",
+    )
+    queue_refill_s: float = Field(
+        default=0.1, gt=0, description="derived queue depth: the time it covers at the worker's finish rate"
+    )
+    min_queue: int = Field(default=2, gt=0, description="derived queue depth: at least this many")
     expected_output_tokens: int = Field(default=256, gt=0)
     batch_headroom_fraction: float = Field(default=0.25, ge=0, lt=1)
     spill_tokens: int = Field(
@@ -62,6 +72,9 @@ class DispatcherSettings(BusSettings):
             queue_weight=self.queue_weight,
             kv_reserve_fraction=self.kv_reserve_fraction,
             max_queue=self.max_queue,
+            queue_depth=self.queue_depth,
+            refill_s=self.queue_refill_s,
+            min_queue=self.min_queue,
             expected_output_tokens=self.expected_output_tokens,
             batch_headroom_fraction=self.batch_headroom_fraction,
             spill_tokens=self.spill_tokens,

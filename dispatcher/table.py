@@ -30,6 +30,7 @@ COLUMNS = (
     "in_flight",
     "blocks",
     "slots",
+    "completed",
 )
 
 
@@ -64,6 +65,7 @@ class WorkerTable:
             "in_flight": in_flight,
             "blocks": in_flight_blocks,
             "slots": hb.max_running,
+            "completed": hb.completed_per_s,
         }
         for c, v in values.items():
             self._cols[c][i] = v
@@ -88,6 +90,18 @@ class WorkerTable:
         self.ids.pop()
 
 
+def queues_full(table: WorkerTable, queue: Floats, policy: PlacementPolicy) -> npt.NDArray[np.bool_]:
+    """`placement.queue_full` for every row."""
+    if policy.queue_depth == "fixed":
+        return queue >= policy.max_queue
+    derived = np.ceil(table.col("completed") * policy.refill_s)
+    depth = np.maximum(1.0, np.minimum(policy.max_queue, np.maximum(policy.min_queue, derived)))
+    slots = table.col("slots")
+    queued = np.where(table.col("queue_base") > 0, queue, 0.0)
+    waiting = np.maximum(table.col("running") + queue - slots, queued)
+    return np.where(slots > 0, waiting >= depth, queue >= depth)
+
+
 def choose_fast(
     table: WorkerTable,
     matched: Floats,
@@ -108,7 +122,7 @@ def choose_fast(
     queue = table.col("queue_base") + table.col("in_flight")
 
     stale = (table.col("ready") == 0) | (now > table.col("fresh_until"))
-    full = ~stale & (queue >= policy.max_queue)
+    full = ~stale & queues_full(table, queue, policy)
     no_kv = ~stale & ~full & (after < policy.kv_reserve_fraction)
     no_batch = ~stale & ~full & ~no_kv
     if demand.priority is Priority.BATCH:

@@ -35,6 +35,7 @@ class EngineStats:
     decode_tokens_per_s: float
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    preemptions: int = 0  # running requests sent back to wait (their KV freed), in total
 
 
 class EngineError(Exception):

@@ -95,6 +95,7 @@ def heartbeat(
         tensor_parallel_size=vitals.tensor_parallel_size,
         prefix_query_tokens=stats.prefix_query_tokens,
         prefix_hit_tokens=stats.prefix_hit_tokens,
+        preemptions=stats.preemptions,
         error=vitals.error,
     )
 

@@ -21,6 +21,7 @@ from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EarlyStart, Engine, EngineError
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
+from gpu_workers.metrics import TEAM_TOKENS
 from gpu_workers.output import Moved, RequestOutput
 from gpu_workers.presence import (
     CompletionRate,
@@ -353,6 +354,7 @@ class Worker:
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     async def _settle(self, request: InferenceRequest, used_tokens: int) -> None:
+        TEAM_TOKENS.labels(request.pool, request.team).inc(used_tokens)
         try:
             await settle(self.redis, self.names, request.request_id, used_tokens)
         except RedisError as exc:

@@ -29,6 +29,13 @@ async def team_limits(redis: aioredis.Redis, names: Names, team: str) -> TeamLim
     return (await team_record(redis, names, team)).limits
 
 
+async def set_team_weight(redis: aioredis.Redis, names: Names, team: str, weight: float) -> None:
+    """Set the team's share in the dispatchers' fair order (they re-read it within seconds)."""
+    record = (await team_record(redis, names, team)).model_copy(update={"weight": weight})
+    TeamRecord.model_validate(record.model_dump())  # model_copy does not validate; the bounds still apply
+    await redis.set(names.team(team), record.model_dump_json())
+
+
 def reply_prefix_problem(prefix: str, names: Names) -> str | None:
     """Why a team may not own topics under `prefix`: it must be a topic-name prefix of its own, clear of
     sluice's topics (a team's results topic is its own already)."""
@@ -67,10 +74,19 @@ async def create_signing_key(redis: aioredis.Redis, names: Names, team: str) -> 
     return pem, key_id_
 
 
-async def create_key(redis: aioredis.Redis, names: Names, team: str, pools: tuple[str, ...] = ()) -> str:
+async def create_key(
+    redis: aioredis.Redis,
+    names: Names,
+    team: str,
+    pools: tuple[str, ...] = (),
+    *,
+    allow_priority: bool = False,
+) -> str:
     """Store a new key for `team` and return it; this is the only time the key itself is seen."""
     key = new_api_key()
-    record = TeamKey(team=team, key_id=key_id(key), pools=pools, created_at=time.time())
+    record = TeamKey(
+        team=team, key_id=key_id(key), pools=pools, created_at=time.time(), allow_priority=allow_priority
+    )
     await redis.set(names.api_key(hash_api_key(key)), record.model_dump_json())
     # The team record is what batch submissions are checked against; a new team starts unlimited.
     await redis.set(names.team(team), TeamRecord(team=team).model_dump_json(), nx=True)

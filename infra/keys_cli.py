@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
     from queue_schemas.names import Names
-    from queue_schemas.quota import TeamLimits
+    from queue_schemas.quota import TeamLimits, TeamRecord
 
 T = TypeVar("T")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage team API keys, limits and batch signing keys")
@@ -56,6 +56,9 @@ def keys_create(
     tpm: TpmOpt = None,
     rpm: RpmOpt = None,
     daily_tokens: DailyOpt = None,
+    allow_priority: Annotated[
+        bool, typer.Option("--allow-priority", help="requests may ask for service_tier priority")
+    ] = False,
 ) -> None:
     """Create a key (printed once, stored only as its SHA-256 hash); optionally set the team's limits."""
     from infra.keys import create_key, set_team_limits
@@ -65,7 +68,7 @@ def keys_create(
     async def go(redis: aioredis.Redis, names: Names) -> str:
         if limits is not None:
             await set_team_limits(redis, names, team, limits)
-        return await create_key(redis, names, team, tuple(pool or ()))
+        return await create_key(redis, names, team, tuple(pool or ()), allow_priority=allow_priority)
 
     typer.echo(with_redis(go))
 
@@ -76,21 +79,31 @@ def keys_limits(
     tpm: TpmOpt = None,
     rpm: RpmOpt = None,
     daily_tokens: DailyOpt = None,
+    weight: Annotated[
+        float | None,
+        typer.Option(
+            "--weight", min=0.001, max=1000, help="share in the fair order against other teams (default 1)"
+        ),
+    ] = None,
 ) -> None:
-    """Show a team's limits, or replace them when any limit option is given."""
-    from infra.keys import set_team_limits, team_limits
+    """Show a team's limits and weight, or replace the limits when any limit option is given and the
+    weight when --weight is."""
+    from infra.keys import set_team_limits, set_team_weight, team_record
 
     limits = limits_of(tpm, rpm, daily_tokens)
 
-    async def go(redis: aioredis.Redis, names: Names) -> TeamLimits:
+    async def go(redis: aioredis.Redis, names: Names) -> TeamRecord:
         if limits is not None:
             await set_team_limits(redis, names, team, limits)
-        return await team_limits(redis, names, team)
+        if weight is not None:
+            await set_team_weight(redis, names, team, weight)
+        return await team_record(redis, names, team)
 
-    current = with_redis(go)
+    record = with_redis(go)
+    current = record.limits
     typer.echo(
         f"{team}\ttpm={current.tokens_per_minute or '-'}\trpm={current.requests_per_minute or '-'}"
-        f"\tdaily_tokens={current.daily_tokens or '-'}"
+        f"\tdaily_tokens={current.daily_tokens or '-'}\tweight={record.weight:g}"
     )
 
 

@@ -23,9 +23,16 @@ from ingress.metrics import ACTIVE_STREAMS, INTER_TOKEN, REJECTIONS, REQUESTS, T
 from ingress.streams import HubDisconnected, Subscription
 from queue_schemas import admission
 from queue_schemas.admission import parse_body
-from queue_schemas.api_errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from queue_schemas.api_errors import (
+    ApiError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    ServiceUnavailable,
+)
 from queue_schemas.config import PoolConfig
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
 from queue_schemas.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
@@ -188,6 +195,13 @@ async def serve(
 ) -> Response:
     """Admit (pool and quota), check the output plan, queue, then relay: the steps both completion
     endpoints share. The plan's checks are the expensive ones, so they come after the gate."""
+    if body.tier() is Tier.PRIORITY and not team.key.allow_priority:
+        raise PermissionDenied(
+            "This API key may not use service_tier 'priority'; use 'default' or 'flex', or a key that "
+            "allows priority.",
+            param="service_tier",
+            code="service_tier_not_allowed",
+        )
     inference = admission.build_request(
         body, pool, team.key.team, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,

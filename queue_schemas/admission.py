@@ -77,6 +77,7 @@ def build_request(
         block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size, salt=salt)),
         cache_salt=salt,
         sampling=sampling,
+        tier=body.tier(),
         created_at=now,
         start_by=now + min(pool.queue_timeout_s, timeout_s),
         deadline=now + timeout_s,

@@ -21,6 +21,9 @@ class TeamKey(BaseModel):
     key_id: str = Field(description="first characters of the key, safe to show in listings and logs")
     pools: tuple[str, ...] = Field(default=(), description="pools this key may use; empty means all")
     created_at: float
+    allow_priority: bool = Field(
+        default=False, description="requests may ask for service_tier priority (ahead of default traffic)"
+    )
 
     def allows_pool(self, pool: str) -> bool:
         return not self.pools or pool in self.pools

@@ -34,6 +34,25 @@ class Priority(StrEnum):
     BATCH = "batch"
 
 
+class Tier(StrEnum):
+    """An interactive request's service tier (OpenAI's `service_tier`): its place among interactive work."""
+
+    PRIORITY = "priority"
+    DEFAULT = "default"
+    FLEX = "flex"
+
+
+# Engine priorities, lower first (vLLM's convention): the dispatcher's hold serves its bands in this order
+# too, so a request's place is the same before and inside the engine.
+ENGINE_PRIORITY = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 2}
+BATCH_ENGINE_PRIORITY = 3
+
+
+def engine_priority(priority: Priority, tier: Tier) -> int:
+    """The band of a request: interactive ones by tier, then batch. Pure."""
+    return BATCH_ENGINE_PRIORITY if priority is Priority.BATCH else ENGINE_PRIORITY[tier]
+
+
 class ReplyMode(StrEnum):
     STREAM = "stream"  # token chunks over the Redis channel stream:<request_id>
     KAFKA = "kafka"  # one BatchAnswer (queue_schemas.batch) on reply_topic
@@ -116,6 +135,7 @@ class InferenceRequest(Message):
     )
     sampling: SamplingParams
     priority: Priority = Priority.INTERACTIVE
+    tier: Tier = Field(default=Tier.DEFAULT, description="service tier within the interactive class")
     reply: ReplyMode = ReplyMode.STREAM
     reply_topic: str | None = None
     batch: BatchTicket | None = Field(default=None, description="how to answer, for reply mode kafka")
@@ -146,6 +166,10 @@ class InferenceRequest(Message):
     def client_prompt_tokens(self) -> int:
         """The prompt the client sent (a moved request's prompt also holds its earlier output)."""
         return len(self.prompt_token_ids) if self.resume is None else self.resume.prompt_tokens
+
+    @property
+    def engine_priority(self) -> int:
+        return engine_priority(self.priority, self.tier)
 
     def start_deadline(self) -> float:
         return self.deadline if self.start_by is None else min(self.start_by, self.deadline)
@@ -231,6 +255,9 @@ class Heartbeat(Message):
         default=0, ge=0, description="prompt tokens looked up in the prefix cache"
     )
     prefix_hit_tokens: int = Field(default=0, ge=0, description="of those, tokens found cached")
+    preemptions: int = Field(
+        default=0, ge=0, description="running requests the engine preempted since it started, in total"
+    )
     error: str | None = Field(default=None, max_length=2000, description="why a failed worker stopped")
 
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from queue_schemas.messages import SEED_MAX, SEED_MIN, FinishReason, Usage
+from queue_schemas.messages import SEED_MAX, SEED_MIN, FinishReason, Tier, Usage
 
 
 class TextPart(BaseModel):
@@ -163,6 +163,10 @@ class GenerationFields(BaseModel):
     n: Literal[1] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = Field(
+        default=None,
+        description="priority runs ahead of default and flex traffic (if the key allows it); flex behind",
+    )
 
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -171,6 +175,12 @@ class GenerationFields(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def tier(self) -> Tier:
+        """The requested tier; `auto` and no value are the default tier."""
+        if self.service_tier in (None, "auto"):
+            return Tier.DEFAULT
+        return Tier(self.service_tier)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

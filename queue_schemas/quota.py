@@ -42,6 +42,12 @@ class TeamRecord(BaseModel):
     reply_prefixes: tuple[str, ...] = Field(
         default=(), description="topic prefixes the team owns for batch answers, beside its results topic"
     )
+    weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=1000,
+        description="the team's share in the dispatcher's fair order: tokens served count 1/weight",
+    )
 
 
 RESERVE_SCRIPT = """

@@ -34,4 +34,9 @@ WORKER_PREFIX_HIT = Gauge(
     "Prompt tokens found in the prefix cache, of those looked up",
     ["pool", "worker"],
 )
-WORKER_GAUGES = (WORKER_KV_USED, WORKER_RUNNING, WORKER_WAITING, WORKER_PREFIX_HIT)
+WORKER_PREEMPTIONS = Gauge(
+    "sluice_worker_preemptions",
+    "Running requests the worker's engine preempted (sent back to wait, KV freed), in total since it started",
+    ["pool", "worker"],
+)
+WORKER_GAUGES = (WORKER_KV_USED, WORKER_RUNNING, WORKER_WAITING, WORKER_PREFIX_HIT, WORKER_PREEMPTIONS)

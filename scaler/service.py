@@ -311,6 +311,7 @@ class Scaler:
             current.add(hb.worker_id)
             metrics.WORKER_RUNNING.labels(pool, hb.worker_id).set(row["running"])
             metrics.WORKER_WAITING.labels(pool, hb.worker_id).set(row["waiting"])
+            metrics.WORKER_PREEMPTIONS.labels(pool, hb.worker_id).set(hb.preemptions)
             for gauge, value in (
                 (metrics.WORKER_KV_USED, row["kv_used"]),
                 (metrics.WORKER_PREFIX_HIT, row["prefix_hit"]),

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from gpu_workers.prefix_cache import PrefixCache
 
+RATE_WINDOW_S = 10.0  # the worker's heartbeat reports requests finished per second over this window
 EPS = 1e-6  # in tokens and steps; the counters grow large, so an absolute 1e-9 is below float precision
 
 
@@ -107,6 +108,7 @@ class Replica:
     running_blocks: int = 0
     version: int = 0
     completed: int = 0
+    finished_at: deque[float] = field(default_factory=deque)  # finish times within RATE_WINDOW_S
     waiting_tokens: int = 0  # prompt tokens of the requests in `waiting`
     _unscheduled: tuple[int, int] = (-1, 0)  # (version, prompts beyond this step's prefill budget)
     cache: PrefixCache = field(init=False)
@@ -146,6 +148,13 @@ class Replica:
     @property
     def free_blocks(self) -> int:
         return self.model.kv_blocks - self.own_used
+
+    @property
+    def completed_per_s(self) -> float:
+        """Requests finished per second over the last RATE_WINDOW_S, as a worker's heartbeat reports it."""
+        while self.finished_at and self.now - self.finished_at[0] > RATE_WINDOW_S:
+            self.finished_at.popleft()
+        return len(self.finished_at) / RATE_WINDOW_S
 
     @property
     def cache_size(self) -> int:
@@ -267,4 +276,5 @@ class Replica:
         self.own_used -= seq.own_blocks
         self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
         self.completed += 1
+        self.finished_at.append(now)
         return seq.request

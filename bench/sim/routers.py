@@ -43,7 +43,8 @@ def heartbeat(view: ReplicaView, now: float, seq: int) -> Heartbeat:
         worker_id=f"r{view.index}", pool="sim", model="llama-70b", state=WorkerState.READY, seq=seq,
         sent_at=now, ttl_ms=3000, kv_blocks_total=m.kv_blocks, kv_blocks_free=max(0, view.free_blocks),
         block_size=m.block_size, running=view.scheduled, waiting=view.queue, inbox_pending=0,
-        max_running=m.max_seqs, decode_tokens_per_s=0.0, started_at=0.0, ready_at=0.0, completed_per_s=0.0,
+        max_running=m.max_seqs, decode_tokens_per_s=0.0, started_at=0.0, ready_at=0.0,
+        completed_per_s=view.completed_per_s,
     )  # fmt: skip
 
 

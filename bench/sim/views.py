@@ -43,6 +43,9 @@ class ReplicaView(Protocol):
     def free_blocks(self) -> int: ...
 
     @property
+    def completed_per_s(self) -> float: ...
+
+    @property
     def cache_size(self) -> int: ...
 
     def prefill_tokens(self) -> int: ...
@@ -64,6 +67,7 @@ class Snapshot:
     queue: int = 0
     scheduled: int = 0
     free_blocks: int = 0
+    completed_per_s: float = 0.0
     _prefill_tokens: int = 0
     _decode_blocks: int = 0
 
@@ -99,6 +103,7 @@ class Snapshot:
         r.cache_log.clear()
         self.in_system, self.queue, self.scheduled = r.in_system, r.queue, r.scheduled
         self.free_blocks = r.free_blocks
+        self.completed_per_s = r.completed_per_s
         self._prefill_tokens, self._decode_blocks = r.prefill_tokens(), r.decode_blocks()
 
     def placed(self, request: Request, record: bool = False) -> None:

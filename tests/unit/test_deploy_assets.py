@@ -23,6 +23,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from pydantic_settings import BaseSettings
 
 import dispatcher.metrics
+import gpu_workers.metrics
 import ingress.metrics
 import scaler.metrics
 from dispatcher.settings import DispatcherSettings
@@ -319,7 +320,7 @@ def test_broker_acls_are_shipped_and_only_the_ingress_writes_requests() -> None:
 def exported_metric_names() -> set[str]:
     """Every series name the services' metric modules define (a histogram or counter exports several)."""
     names = set()
-    for module in (ingress.metrics, scaler.metrics, dispatcher.metrics):
+    for module in (ingress.metrics, scaler.metrics, dispatcher.metrics, gpu_workers.metrics):
         for metric in vars(module).values():
             if isinstance(metric, MetricWrapperBase):
                 base = metric._name
@@ -337,7 +338,8 @@ def test_grafana_panels_query_metrics_the_services_export() -> None:
     missing = queried - exported
     assert not missing, f"the dashboard queries metrics nothing exports: {sorted(missing)}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("lag", "first token", "inter-token", "queue wait", "kv", "prefix", "replicas", "quota"):
+    topics = ("lag", "first token", "inter-token", "queue wait", "kv", "prefix", "replicas", "quota")
+    for topic in (*topics, "per team", "preemptions"):
         assert topic in titles, f"no panel about {topic}"
 
 

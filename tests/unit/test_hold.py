@@ -1,12 +1,19 @@
-from dispatcher.hold import Held, Hold
-from queue_schemas.messages import InferenceRequest, Priority, SamplingParams
+from dispatcher.hold import FairQueue, Held, Hold, team_weights
+from queue_schemas.messages import InferenceRequest, Priority, SamplingParams, Tier
+from queue_schemas.quota import TeamRecord
 
 
-def held(rid: str, team: str, priority: Priority = Priority.INTERACTIVE, start_by: float = 1e12) -> Held:
+def held(
+    rid: str,
+    team: str,
+    priority: Priority = Priority.INTERACTIVE,
+    start_by: float = 1e12,
+    tier: Tier = Tier.DEFAULT,
+) -> Held:
     request = InferenceRequest(
         request_id=f"req-{rid:0>8}", pool="sim", model="m", team=team, prompt_token_ids=(1,) * 10,
         sampling=SamplingParams(max_tokens=10), priority=priority, created_at=0, start_by=start_by,
-        deadline=1e12,
+        deadline=1e12, tier=tier,
     )  # fmt: skip
     return Held(request, partition=("t", 0), offset=int(rid), arrived=0.0)
 
@@ -62,3 +69,47 @@ def test_duplicates_capacity_removal_and_expiry() -> None:
     assert hold.size(Priority.INTERACTIVE) == 1
     assert [h.offset for h in hold.from_partitions({("t", 0)})] == [2]
     assert hold.from_partitions({("u", 0)}) == []
+
+
+def test_bands_follow_the_engine_priority_tiers_then_batch() -> None:
+    hold = Hold(10)
+    hold.add(held("1", "a", Priority.BATCH))
+    hold.add(held("2", "a", tier=Tier.FLEX))
+    hold.add(held("3", "a"))
+    hold.add(held("4", "b", tier=Tier.PRIORITY))
+    hold.add(held("5", "a", Priority.BATCH, tier=Tier.PRIORITY))  # batch is batch, whatever its tier
+    assert order(hold) == ["4", "3", "2", "1", "5"]
+    assert hold.size(Priority.BATCH) == 2
+
+
+def test_weight_scales_the_share_of_tokens_while_both_teams_wait() -> None:
+    """Placing one request at a time, always the head of the order: a team of weight 3 gets three
+    placements for every one of a team of weight 1."""
+    hold = Hold(1000)
+    hold.set_weights({"gold": 3.0})
+    for i in range(1, 201):
+        hold.add(held(str(i), "gold" if i % 2 else "plain"))
+    placed = []
+    for _ in range(80):
+        first = next(hold.ordered())
+        hold.remove(first.request.request_id)
+        hold.charge(first.request.team, first.cost)
+        placed.append(first.request.team)
+    assert placed.count("gold") == 60
+    assert placed.count("plain") == 20
+
+
+def test_fair_queue_is_the_same_order_over_any_item() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for item, band, team in [("b1", 3, "x"), ("x1", 1, "x"), ("x2", 1, "x"), ("y1", 1, "y"), ("p1", 0, "z")]:
+        queue.add(item, band, team)
+    assert list(queue.ordered()) == ["p1", "x1", "y1", "x2", "b1"]
+    queue.charge("x", 50)
+    assert list(queue.ordered()) == ["p1", "y1", "x1", "x2", "b1"]
+    queue.remove("x1", 1, "x")
+    assert list(queue.ordered()) == ["p1", "y1", "x2", "b1"]
+
+
+def test_team_weights_read_from_team_records() -> None:
+    heavy = TeamRecord(team="heavy", weight=4).model_dump_json().encode()
+    assert team_weights(["heavy", "none", "broken"], [heavy, None, b"{not json"]) == {"heavy": 4.0}

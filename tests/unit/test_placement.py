@@ -14,13 +14,15 @@ from dispatcher.placement import (
     choose,
     is_eligible,
     least_loaded,
+    queue_depth,
+    queue_full,
     rejection,
 )
 from dispatcher.table import WorkerTable, choose_fast
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 NOW = 1000.0
-POLICY = PlacementPolicy()
+POLICY = PlacementPolicy(queue_depth="fixed")  # the derived depth has its own tests below
 HASHES = [f"h{i}" for i in range(8)]  # an 8-block prompt of 128 tokens (block size 16)
 
 
@@ -34,11 +36,13 @@ def beat(
     state: WorkerState = WorkerState.READY,
     age: float = 0.1,
     max_running: int = 0,
+    completed_per_s: float = 0.0,
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id, pool="sim", model="m", state=state, seq=1, sent_at=NOW - age, ttl_ms=3000,
         kv_blocks_total=total, kv_blocks_free=free, block_size=16, running=running, waiting=waiting,
         inbox_pending=0, max_running=max_running, decode_tokens_per_s=0.0, started_at=0.0,
+        completed_per_s=completed_per_s,
     )  # fmt: skip
 
 
@@ -171,3 +175,43 @@ def test_a_request_waits_for_the_busy_worker_holding_its_prefix_then_spills(
     assert pick(workers, old).worker_id == "cold"  # held long enough: it goes where it fits
     workers, small = affinity_case(waited_s=1.0, cached_blocks=4)  # 3 blocks (48 tokens) more: not worth it
     assert pick(workers, small).worker_id == "cold"
+
+
+DERIVED = PlacementPolicy(refill_s=0.1, min_queue=2, max_queue=64)
+
+
+def test_derived_depth_is_what_the_worker_finishes_while_it_is_refilled() -> None:
+    assert queue_depth(beat("a", completed_per_s=50.0), DERIVED) == 5  # 50/s x 0.1 s
+    assert queue_depth(beat("a", completed_per_s=51.0), DERIVED) == 6  # rounded up
+    assert queue_depth(beat("a", completed_per_s=3.0), DERIVED) == 2  # at least min_queue
+    assert queue_depth(beat("a", completed_per_s=0.0), DERIVED) == 2  # a new worker
+    assert queue_depth(beat("a", completed_per_s=5000.0), DERIVED) == 64  # at most max_queue
+    assert queue_depth(beat("a", completed_per_s=50.0), POLICY) == 64  # fixed: the cap, whatever the rate
+
+
+def test_derived_depth_counts_what_waits_beyond_the_running_slots() -> None:
+    # 16 slots, 50 finished per second: 5 may wait. 16 running and 4 just placed leave room for one more.
+    hb = beat("a", running=16, max_running=16, completed_per_s=50.0)
+    assert not queue_full(WorkerSnapshot(hb, in_flight=4), DERIVED)
+    assert queue_full(WorkerSnapshot(hb, in_flight=5), DERIVED)
+    assert rejection(WorkerSnapshot(hb, in_flight=5), demand(), NOW, DERIVED) == "queue full"
+    # An idle worker takes a burst up to its slots plus its depth before its next heartbeat.
+    idle = beat("b", max_running=16, completed_per_s=50.0)
+    assert not queue_full(WorkerSnapshot(idle, in_flight=20), DERIVED)
+    assert queue_full(WorkerSnapshot(idle, in_flight=21), DERIVED)
+    # The fixed cap lets 64 wait on the same worker.
+    assert not queue_full(WorkerSnapshot(hb, in_flight=63), POLICY)
+    assert queue_full(WorkerSnapshot(hb, in_flight=64), POLICY)
+
+
+def test_derived_depth_counts_everything_queued_once_the_worker_reports_a_queue() -> None:
+    # Slots free but the engine short of KV blocks: it reports 2 waiting, and new work waits behind them.
+    hb = beat("a", running=4, waiting=2, max_running=16, completed_per_s=50.0)
+    assert not queue_full(WorkerSnapshot(hb, in_flight=2), DERIVED)
+    assert queue_full(WorkerSnapshot(hb, in_flight=3), DERIVED)
+
+
+def test_derived_depth_without_known_slots_bounds_the_queue() -> None:
+    hb = beat("a", waiting=1, completed_per_s=50.0)  # max_running 0: slots unknown
+    assert not queue_full(WorkerSnapshot(hb, in_flight=3), DERIVED)
+    assert queue_full(WorkerSnapshot(hb, in_flight=4), DERIVED)

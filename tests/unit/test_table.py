@@ -19,7 +19,6 @@ from dispatcher.table import WorkerTable, choose_fast
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 NOW = 1000.0
-POLICY = PlacementPolicy()
 
 worker = st.fixed_dictionaries(
     {
@@ -33,6 +32,7 @@ worker = st.fixed_dictionaries(
         "in_flight_blocks": st.integers(0, 300),
         "matched": st.integers(0, 8),
         "slots": st.integers(0, 64),
+        "completed": st.floats(0, 300),
     }
 )
 
@@ -44,6 +44,7 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
         ttl_ms=3000, kv_blocks_total=total, kv_blocks_free=int(total * float(w["free_share"])),  # type: ignore[arg-type]
         block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
         decode_tokens_per_s=0.0, started_at=0.0, max_running=w.get("slots", 0),  # type: ignore[arg-type]
+        completed_per_s=w.get("completed", 0.0),  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -53,10 +54,12 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
     max_tokens=st.integers(1, 600),
     batch=st.booleans(),
     seed=st.integers(0, 1000),
+    depth=st.sampled_from(["derived", "fixed"]),
 )
 def test_fast_and_reference_agree(
-    workers: list[dict[str, object]], max_tokens: int, batch: bool, seed: int
+    workers: list[dict[str, object]], max_tokens: int, batch: bool, seed: int, depth: str
 ) -> None:
+    policy = PlacementPolicy(queue_depth=depth)  # type: ignore[arg-type]
     demand = Demand(
         128, [f"h{i}" for i in range(8)], max_tokens, Priority.BATCH if batch else Priority.INTERACTIVE
     )
@@ -67,17 +70,17 @@ def test_fast_and_reference_agree(
         table.upsert(hb, int(w["in_flight"]), int(w["in_flight_blocks"]))  # type: ignore[call-overload]
         snapshots.append(WorkerSnapshot(hb, w["in_flight"], w["in_flight_blocks"], w["matched"]))  # type: ignore[arg-type]
     matched = np.array([float(w["matched"]) for w in workers])  # type: ignore[arg-type]
-    fast = choose_fast(table, matched, demand, NOW, POLICY, random.Random(seed))
-    reference = choose(snapshots, demand, NOW, POLICY, random.Random(seed))
+    fast = choose_fast(table, matched, demand, NOW, policy, random.Random(seed))
+    reference = choose(snapshots, demand, NOW, policy, random.Random(seed))
     assert (fast.worker_id is None) == (reference.worker_id is None)
     if fast.worker_id is None:
         return
-    fit = [s for s in snapshots if rejection(s, demand, NOW, POLICY) is None]
+    fit = [s for s in snapshots if rejection(s, demand, NOW, policy) is None]
     queues = [s.queue for s in fit]
-    scores = {s.worker_id: score(s, demand, min(queues), max(queues), POLICY) for s in fit}
+    scores = {s.worker_id: score(s, demand, min(queues), max(queues), policy) for s in fit}
     assert abs(scores[fast.worker_id] - max(scores.values())) < 1e-9
     chosen = next(s for s in snapshots if s.worker_id == fast.worker_id)
-    needed = blocks_needed(demand, chosen.matched_blocks, 16, POLICY)
+    needed = blocks_needed(demand, chosen.matched_blocks, 16, policy)
     assert (fast.matched_blocks, fast.blocks_needed) == (chosen.matched_blocks, needed)
 
 
