@@ -1,8 +1,9 @@
 """Engine steps for the simulated engine's `batched` timing: the fleet simulator's replica model, live.
 
 Each step decodes one token for every sequence that was decoding when it began, and prefills up to
-`chunk_tokens` of the prompts that were waiting when it began, first come first served (chunked prefill,
-as vLLM schedules it: a prompt that arrives during a step joins the next one). A step lasts
+`chunk_tokens` of the prompts that were waiting when it began, in order of engine priority and then
+arrival (first come first served under `fcfs`; chunked prefill, as vLLM schedules it: a prompt that
+arrives during a step joins the next one). A step lasts
 
     step_ms + step_ms_per_seq x decoding + prefill_ms_per_token x tokens it prefills
 
@@ -15,6 +16,7 @@ step gives it one more.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +29,8 @@ class Running:
 
     prefill_left: int
     tokens: asyncio.Queue[None] = field(default_factory=asyncio.Queue)
+    key: tuple[int, int] = (0, 0)  # (engine priority, arrival) under priority; (0, arrival) under fcfs
+    started: bool = False  # part of its prompt is prefilled: vLLM runs it on ahead of waiting prompts
 
 
 def step_s(config: SimulatedEngineConfig, decoding: int, prefill_tokens: int) -> float:
@@ -52,12 +56,19 @@ class BatchClock:
         self._waiting: deque[Running] = deque()
         self._decoding: set[Running] = set()
         self._task: asyncio.Task[None] | None = None
+        self._arrivals = itertools.count()
         self.steps = 0
 
-    def start(self, prompt_tokens: int) -> Running:
+    def start(self, prompt_tokens: int, priority: int = 0) -> Running:
         """Queue a prompt of this many uncached tokens (at least one is computed)."""
-        seq = Running(max(1, prompt_tokens))
-        self._waiting.append(seq)
+        rank = priority if self._config.scheduling == "priority" else 0
+        seq = Running(max(1, prompt_tokens), key=(rank, next(self._arrivals)))
+        # Behind every prompt of its priority or a higher one (a lower number), and behind any prompt
+        # whose prefill has begun (vLLM schedules running requests before waiting ones).
+        at = len(self._waiting)
+        while at and self._waiting[at - 1].key > seq.key and not self._waiting[at - 1].started:
+            at -= 1
+        self._waiting.insert(at, seq)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         return seq
@@ -86,6 +97,7 @@ class BatchClock:
                 if seq not in self._waiting:
                     continue  # it left during the step
                 seq.prefill_left -= tokens
+                seq.started = True
                 if not seq.prefill_left:
                     self._waiting.remove(seq)
                     self._decoding.add(seq)

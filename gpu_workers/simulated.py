@@ -3,7 +3,9 @@
 Tokens are UTF-8 bytes (the `bytes` tokenizer), and the text is ASCII, so one character is one token.
 Timing `per_request`: time to first token grows with the prompt length; each further token costs
 `token_ms`. Timing `batched`: requests share engine steps (`BatchClock`), as the fleet simulator models
-a replica.
+a replica. Which requests run is vLLM's scheduling (`EngineSchedule`): slots, KV blocks, engine priority,
+and preemption when blocks run out; a preempted request computes its prompt and output so far again
+when it is re-admitted, and its client sees only a pause.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from gpu_workers.batch_clock import BatchClock, Running
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.engine_schedule import EngineSchedule, Entry
 from gpu_workers.json_sample import Budget, UnsupportedSchema, sample
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.config import SimulatedEngineConfig
@@ -80,10 +83,8 @@ class SimulatedEngine:
     def __init__(self, config: SimulatedEngineConfig, block_size: int) -> None:
         self._config = config
         self._block_size = block_size
-        self._blocks_used: dict[str, int] = {}
-        self._running: set[str] = set()
-        self._waiting = 0
-        self._slots = asyncio.Semaphore(config.max_running)
+        self._schedule = EngineSchedule(config.max_running, config.kv_blocks, block_size, config.scheduling)
+        self._admitted: dict[Entry, asyncio.Event] = {}
         self._decoded: list[tuple[float, int]] = []
         self._cache = PrefixCache(config.kv_blocks)
         self._kv_changes: list[KvChange] = []
@@ -92,6 +93,7 @@ class SimulatedEngine:
         self._generated = 0
         self._dead: str | None = None
         self._clock = BatchClock(config) if config.timing == "batched" else None
+        self._steps: dict[Entry, Running] = {}  # batched: each running request's place in the clock
 
     async def start(self) -> None:
         return None
@@ -127,17 +129,52 @@ class SimulatedEngine:
     def stats(self) -> EngineStats:
         now = time.monotonic()
         self._decoded = [(t, n) for t, n in self._decoded if now - t < 5.0]
-        used = sum(self._blocks_used.values())
+        schedule = self._schedule
         return EngineStats(
             kv_blocks_total=self._config.kv_blocks,
-            kv_blocks_free=max(0, self._config.kv_blocks - used),
+            kv_blocks_free=schedule.free_blocks,
             block_size=self._block_size,
-            running=len(self._running),
-            waiting=self._waiting,
+            running=len(schedule.running),
+            waiting=schedule.waiting,
             decode_tokens_per_s=sum(n for _, n in self._decoded) / 5.0,
             prefix_query_tokens=self._prefix_queries,
             prefix_hit_tokens=self._prefix_hits,
+            preemptions=schedule.preemptions,
         )
+
+    def _wake(self, started: list[Entry]) -> None:
+        for entry in started:
+            self._admitted[entry].set()
+
+    def _preempt(self, victims: list[Entry]) -> None:
+        """Preempted requests stop; each notices at its next step and waits to be admitted again."""
+        for victim in victims:
+            self._admitted[victim].clear()
+            self._kick(victim)
+
+    def _kick(self, entry: Entry) -> None:
+        seq = self._steps.get(entry)
+        if seq is not None:  # batched: it leaves the clock and its pending wait for a token returns
+            self._steps.pop(entry)
+            if self._clock is not None:
+                self._clock.leave(seq)
+            seq.tokens.put_nowait(None)
+
+    async def _prefill(self, entry: Entry, uncached: int) -> None:
+        """Wait to run, then compute `uncached` tokens; the first output token is then due."""
+        await self._admitted[entry].wait()
+        if self._clock is not None:
+            seq = self._steps[entry] = self._clock.start(uncached, entry.priority)
+            await seq.tokens.get()  # the end of the step that finishes its prefill
+        else:  # a fixed cost plus a cost per token the cache did not hold
+            await asyncio.sleep((self._config.ttft_ms + uncached * self._config.prefill_ms_per_token) / 1000)
+
+    async def _next_token(self, entry: Entry) -> None:
+        seq = self._steps.get(entry)
+        if seq is not None:
+            await seq.tokens.get()  # the end of the step that gives this sequence its token
+        else:
+            await asyncio.sleep(self._config.token_ms / 1000)
 
     async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
         if self._dead is not None:
@@ -151,29 +188,30 @@ class SimulatedEngine:
         text, reason = apply_stops(reply, client_max_tokens(request), request.sampling.stop)
         if request.resume is not None:  # the answer goes on where the lost worker left it
             text = text[request.resume.delivered_tokens :]
-        self._waiting += 1
+        entry = Entry(request.engine_priority, prompt_tokens)
+        self._admitted[entry] = asyncio.Event()
         try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-        rid = request.request_id
-        self._running.add(rid)
-        seq: Running | None = None
-        try:
+            self._wake(self._schedule.submit(entry))
+            await self._admitted[entry].wait()
             cached = self._cache_prompt(request.block_hashes) * self._block_size
             self._prefix_queries += prompt_tokens
             self._prefix_hits += cached
-            uncached = prompt_tokens - cached
-            seq = self._clock.start(uncached) if self._clock is not None else None
-            if seq is None:  # prefill: a fixed cost plus a cost per prompt token the cache did not hold
-                await asyncio.sleep(
-                    (self._config.ttft_ms + uncached * self._config.prefill_ms_per_token) / 1000
-                )
-            for i, ch in enumerate(text):
-                if seq is not None:
-                    await seq.tokens.get()  # the end of the step that gives this sequence its token
-                elif i:
-                    await asyncio.sleep(self._config.token_ms / 1000)
+            await self._prefill(entry, prompt_tokens - cached)
+            i, due = 0, True  # due: the token after a prefill comes with it
+            while i < len(text):
+                if not entry.running:  # preempted: wait, then compute the prompt and output so far again
+                    self._kick(entry)
+                    await self._prefill(entry, prompt_tokens + i - cached)
+                    due = True
+                if not due:
+                    await self._next_token(entry)
+                due = False
+                if not entry.running:
+                    continue
+                victims = self._schedule.grow(entry, prompt_tokens + i + 1)
+                self._preempt(victims)
+                if entry in victims:
+                    continue  # it preempted itself: no block for this token
                 if i == self._config.fail_after_tokens:
                     if self._config.fault_kind == "bug":
                         raise RuntimeError(f"simulated bug after {i} tokens")
@@ -184,16 +222,16 @@ class SimulatedEngine:
                 if self._generated == self._config.die_after_tokens:
                     self._dead = f"the simulated engine died after {self._generated} tokens"
                     raise EngineError(self._dead)
-                self._blocks_used[rid] = self._blocks_for(prompt_tokens + i + 1)
                 self._decoded.append((time.monotonic(), 1))
                 last = i == len(text) - 1
-                token = ch.encode()[0]  # ASCII: one byte, one token
-                yield EngineOutput(ch, 1, reason if last else None, prompt_tokens, cached, (token,))
+                token = text[i].encode()[0]  # ASCII: one byte, one token
+                yield EngineOutput(text[i], 1, reason if last else None, prompt_tokens, cached, (token,))
+                i += 1
             if not text:
                 yield EngineOutput("", 0, reason, prompt_tokens, cached)
         finally:
+            seq = self._steps.pop(entry, None)
             if self._clock is not None and seq is not None:
                 self._clock.leave(seq)
-            self._running.discard(rid)
-            self._blocks_used.pop(rid, None)
-            self._slots.release()
+            self._admitted.pop(entry, None)
+            self._wake(self._schedule.finish(entry))

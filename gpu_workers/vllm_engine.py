@@ -70,6 +70,7 @@ def engine_arguments(
         "block_size": pool.block_size,
         "max_model_len": pool.context_tokens,
         "max_num_seqs": config.max_num_seqs,
+        "scheduling_policy": config.scheduling_policy,
         "enforce_eager": config.enforce_eager,
         "kv_cache_memory_bytes": int(config.kv_cache_gib * (1 << 30)),
         "speculative_config": speculative_config(config, spec_decoding),
@@ -125,6 +126,7 @@ class EngineFigures:
         self.prefix_hits = 0
         self.spec_drafted = 0
         self.spec_accepted = 0
+        self.preemptions = 0
         self._generated: deque[tuple[float, int]] = deque()
 
     def record(self, scheduler: Any, iteration: Any, now: float) -> None:
@@ -140,8 +142,10 @@ class EngineFigures:
             if spec is not None:
                 self.spec_drafted += int(spec.num_draft_tokens)
                 self.spec_accepted += int(spec.num_accepted_tokens)
-        if iteration is not None and iteration.num_generation_tokens:
-            self._generated.append((now, int(iteration.num_generation_tokens)))
+        if iteration is not None:
+            self.preemptions += int(iteration.num_preempted_reqs)
+            if iteration.num_generation_tokens:
+                self._generated.append((now, int(iteration.num_generation_tokens)))
 
     def tokens_per_s(self, now: float, window_s: float = 5.0) -> float:
         while self._generated and now - self._generated[0][0] > window_s:
@@ -278,6 +282,7 @@ class VllmEngine:
             decode_tokens_per_s=figures.tokens_per_s(time.monotonic()),
             prefix_query_tokens=figures.prefix_queries,
             prefix_hit_tokens=figures.prefix_hits,
+            preemptions=figures.preemptions,
         )
 
     async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
@@ -302,7 +307,8 @@ class VllmEngine:
         n_prompt = len(request.prompt_token_ids)
         finished = False
         try:
-            async for out in self._llm.generate(prompt, params, request.request_id):
+            stream = self._llm.generate(prompt, params, request.request_id, priority=request.engine_priority)
+            async for out in stream:
                 completion = out.outputs[0]
                 reason = finish_reason(completion.finish_reason) if out.finished else None
                 finished = out.finished

@@ -27,6 +27,11 @@ class SimulatedEngineConfig(BaseModel):
         description="per_request: each request sleeps its own TTFT and token times; batched: engine steps "
         "shared by all running requests (gpu_workers/batch_clock.py, the fleet simulator's model)",
     )
+    scheduling: Literal["priority", "fcfs"] = Field(
+        default="priority",
+        description="as vLLM's scheduling_policy: priority serves lower engine priorities first and "
+        "preempts the lowest when KV blocks run out; fcfs serves arrivals in order",
+    )
     ttft_ms: float = Field(default=40.0, ge=0.0, description="fixed cost of a prefill")
     prefill_ms_per_token: float = Field(default=0.002, ge=0.0, description="prefill cost per uncached token")
     token_ms: float = Field(default=8.0, ge=0.0)
@@ -73,6 +78,11 @@ class VllmEngineConfig(BaseModel):
     )
     kv_cache_gib: float = Field(default=1.0, gt=0, description="KV cache size per worker, in GiB")
     max_num_seqs: int = Field(default=32, gt=0, description="requests the engine runs at once")
+    scheduling_policy: Literal["priority", "fcfs"] = Field(
+        default="priority",
+        description="priority: vLLM serves lower engine priorities first (interactive tiers, then batch) "
+        "and preempts the lowest when KV blocks run out; fcfs: arrival order",
+    )
     enforce_eager: bool = Field(default=True, description="skip graph capture (faster start, CPU default)")
     cpu_threads: int | None = Field(default=None, gt=0, description="OpenMP threads per rank on CPU")
     ngram_tokens: int = Field(default=3, gt=0, description="tokens proposed per step by ngram speculation")

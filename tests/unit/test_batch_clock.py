@@ -74,3 +74,20 @@ async def test_a_prompt_arriving_during_a_step_joins_the_next_one() -> None:
     await late.tokens.get()
     assert clock.steps == 2  # not prefilled by the step that was running when it came
     await clock.close()
+
+
+async def test_a_higher_priority_prompt_is_prefilled_before_waiting_lower_ones_but_not_a_started_one() -> None:
+    config = CONFIG.model_copy(update={"chunk_tokens": 1000})
+    clock = BatchClock(config)
+    started = clock.start(3000, priority=3)  # batch: three steps of prefill
+    while not started.started:  # one step in: its prefill has begun
+        await asyncio.sleep(0.0005)
+    waiting = clock.start(500, priority=3)
+    interactive = clock.start(500, priority=1)
+    assert [s is interactive for s in clock._waiting] == [False, True, False]
+    assert clock._waiting[0] is started
+    await clock.close()
+    fcfs = BatchClock(config.model_copy(update={"scheduling": "fcfs"}))
+    first, second = fcfs.start(500, priority=3), fcfs.start(500, priority=1)
+    assert list(fcfs._waiting) == [first, second]
+    await fcfs.close()

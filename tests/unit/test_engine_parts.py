@@ -86,6 +86,7 @@ def test_engine_arguments_follow_the_pool() -> None:
     assert args["speculative_config"] is None
     assert args["kv_events_config"]["endpoint"] == "tcp://x:1"
     assert args["dtype"] == "auto", "vLLM chooses on a GPU"
+    assert args["scheduling_policy"] == "priority"
 
 
 def test_auto_precision_on_a_cpu_is_float32_and_a_chosen_one_stands() -> None:
@@ -146,11 +147,12 @@ def test_engine_figures_accumulate_counters_and_keep_the_latest_state() -> None:
         prefix_cache_stats=prefix,
         spec_decoding_stats=spec,
     )
-    figures.record(step, SimpleNamespace(num_generation_tokens=10), now=100.0)
-    figures.record(step, SimpleNamespace(num_generation_tokens=5), now=101.0)
+    figures.record(step, SimpleNamespace(num_generation_tokens=10, num_preempted_reqs=2), now=100.0)
+    figures.record(step, SimpleNamespace(num_generation_tokens=5, num_preempted_reqs=1), now=101.0)
     assert (figures.running, figures.waiting, figures.kv_usage) == (2, 1, 0.25)
     assert (figures.prefix_queries, figures.prefix_hits) == (512, 256)
     assert (figures.spec_drafted, figures.spec_accepted) == (12, 8)
+    assert figures.preemptions == 3
     assert figures.tokens_per_s(now=102.0) == pytest.approx(3.0)
     assert figures.tokens_per_s(now=200.0) == 0.0
 
