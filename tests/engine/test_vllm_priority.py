@@ -47,15 +47,16 @@ async def test_an_interactive_request_runs_ahead_of_batch_requests_queued_before
 
     first = batch(request_for(PROMPT, 400, rid="batch-running-000001"))
     tokens: list[int] = []
+    holds_the_slot = asyncio.Event()
 
     async def run_first() -> None:
         async for out in one_slot.generate(first):
             tokens.extend(out.token_ids)
+            holds_the_slot.set()
         done.append(first.request_id)
 
     running = asyncio.create_task(run_first())
-    while not tokens:  # it holds the one slot
-        await asyncio.sleep(0.01)
+    await holds_the_slot.wait()
     queued = asyncio.create_task(run(batch(request_for(PROMPT, 8, rid="batch-queued-0000001"))))
     await asyncio.sleep(0.01)
     urgent = asyncio.create_task(run(request_for(PROMPT, 8, rid="interactive-00000001")))

@@ -76,13 +76,14 @@ async def test_a_prompt_arriving_during_a_step_joins_the_next_one() -> None:
     await clock.close()
 
 
-async def test_a_higher_priority_prompt_is_prefilled_before_waiting_lower_ones_but_not_a_started_one() -> None:
-    config = CONFIG.model_copy(update={"chunk_tokens": 1000})
+async def test_a_higher_priority_prompt_goes_ahead_of_waiting_prompts_but_not_a_started_one() -> None:
+    config = CONFIG.model_copy(update={"chunk_tokens": 100})
     clock = BatchClock(config)
-    started = clock.start(3000, priority=3)  # batch: three steps of prefill
-    while not started.started:  # one step in: its prefill has begun
-        await asyncio.sleep(0.0005)
-    waiting = clock.start(500, priority=3)
+    started = clock.start(3000, priority=3)  # batch: thirty 1 ms steps of prefill
+    await asyncio.sleep(0.005)  # a few steps in (timers fire in deadline order)
+    assert started.started
+    assert started.prefill_left > 0
+    clock.start(500, priority=3)
     interactive = clock.start(500, priority=1)
     assert [s is interactive for s in clock._waiting] == [False, True, False]
     assert clock._waiting[0] is started

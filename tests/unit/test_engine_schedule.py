@@ -117,7 +117,9 @@ def test_preempted_batch_requests_finish_with_their_whole_answer() -> None:
         batch = [request(c, Priority.BATCH, prompt=40, max_tokens=100) for c in "abc"]
         interactive = request("i", Priority.INTERACTIVE, prompt=40, max_tokens=100)
 
-        async def go(config: SimulatedEngineConfig = config) -> tuple[list[str], int]:
+        async def go(
+            config: SimulatedEngineConfig, batch: list[InferenceRequest], interactive: InferenceRequest
+        ) -> tuple[list[str], int]:
             engine = SimulatedEngine(config, block_size=16)
             done: list[str] = []
 
@@ -132,7 +134,7 @@ def test_preempted_batch_requests_finish_with_their_whole_answer() -> None:
             await asyncio.gather(*tasks)
             return done, engine.stats().preemptions
 
-        done, preemptions = asyncio.run(go())
+        done, preemptions = asyncio.run(go(config, batch, interactive))
         assert preemptions > 0, timing
         assert sorted(done) == ["a", "b", "c", "i"], timing
         assert done.index("i") < done.index("c"), timing  # it arrived last; the latest batch one gave way
