@@ -125,14 +125,15 @@ def queue_depth(heartbeat: Heartbeat, policy: PlacementPolicy) -> int:
 
 def queue_full(worker: WorkerSnapshot, policy: PlacementPolicy) -> bool:
     """Whether as much waits at the worker as its depth allows. With a derived depth, what waits is its
-    load beyond its running slots (placements its last heartbeat does not show yet count), or, once it
-    reports a queue (its engine short of KV blocks, say), everything queued there."""
+    load beyond its running slots (placements its last heartbeat does not show yet count). A queue that
+    forms inside the engine with slots free (short of KV blocks) is bounded by `max_queue` only: an
+    interactive request goes ahead of the batch requests waiting there (engine priority), and a batch
+    request is not sent to a worker without KV headroom in the first place."""
     hb = worker.heartbeat
     depth = queue_depth(hb, policy)
     if policy.queue_depth == "fixed" or hb.max_running <= 0:
         return worker.queue >= depth
-    queued = worker.queue if hb.waiting + hb.inbox_pending else 0
-    return max(worker.load - hb.max_running, queued) >= depth
+    return worker.load - hb.max_running >= depth or worker.queue >= policy.max_queue
 
 
 def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy) -> str | None:

@@ -97,9 +97,8 @@ def queues_full(table: WorkerTable, queue: Floats, policy: PlacementPolicy) -> n
     derived = np.ceil(table.col("completed") * policy.refill_s)
     depth = np.maximum(1.0, np.minimum(policy.max_queue, np.maximum(policy.min_queue, derived)))
     slots = table.col("slots")
-    queued = np.where(table.col("queue_base") > 0, queue, 0.0)
-    waiting = np.maximum(table.col("running") + queue - slots, queued)
-    return np.where(slots > 0, waiting >= depth, queue >= depth)
+    beyond = (table.col("running") + queue - slots >= depth) | (queue >= policy.max_queue)
+    return np.where(slots > 0, beyond, queue >= depth)
 
 
 def choose_fast(

@@ -3,6 +3,7 @@
 - placement: every router on the shared-prefix workload at several rates (8 replicas), over seeds, with
   exact views and with heartbeat views;
 - workloads: every router on multi-turn chat, bursty code completion and a batch flood, over seeds;
+- priority: the batch flood on engines that schedule first come first served and by priority;
 - scaling: the scaling rules on a diurnal day, 3-minute start-up, over seeds, with KEDA's lag threshold
   swept;
 - llmd: llm-d's precise-prefix-cache benchmark as llm-d describes it (llmd_experiment.py);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +39,7 @@ from bench.sim.scalers import (
 )
 from bench.sim.views import Mode
 from bench.sim.workloads import (
+    FLOOD_AT_S,
     Workload,
     batch_flood,
     bursty_code,
@@ -66,6 +69,7 @@ class Run:
     views: Mode
     replicas: int = 8
     heartbeat_s: float = 0.5
+    scheduling: str = "fcfs"  # the replicas' engine scheduling: fcfs or priority
 
 
 @dataclass
@@ -78,12 +82,18 @@ class Result:
 
 def run_one(run: Run) -> Result:
     w = WORKLOADS[run.workload](**dict(run.kwargs))
+    flood = run.workload == "batch-flood"
     out = simulate(
-        functools.partial(make_router, run.router, run.seed), TimingModel(), w.requests, w.duration_s,
-        run.replicas, seed=run.seed, heartbeat_s=run.heartbeat_s, views=run.views,
+        functools.partial(make_router, run.router, run.seed), TimingModel(scheduling=run.scheduling),
+        w.requests, w.duration_s, run.replicas, seed=run.seed, heartbeat_s=run.heartbeat_s, views=run.views,
+        split_at=FLOOD_AT_S if flood else None,
     )  # fmt: skip
-    batch = summarize(out, "batch") if run.workload == "batch-flood" else None
-    return Result(summarize(out), out.unfinished, batch)
+    batch = summarize(out, "batch") if flood else None
+    extra = {"preemptions": float(out.stats.preemptions)}
+    if flood:
+        extra |= {"alone_p99": out.stats.before.quantile(0.99), "beside_p99": out.stats.after.quantile(0.99)}
+        extra |= {"alone_p50": out.stats.before.quantile(0.5), "beside_p50": out.stats.after.quantile(0.5)}
+    return Result(summarize(out), out.unfinished, batch, extra)
 
 
 def spread(values: Sequence[float], fmt: str | Callable[[float], str]) -> str:
@@ -167,6 +177,52 @@ def workloads(args: argparse.Namespace) -> None:
                         done = [float(r.batch.finished) if r.batch else 0.0 for r in rs]
                         p50 = [r.batch.ttft_p50 if r.batch else float("nan") for r in rs]
                         print(f"- {router}: {spread(done, ',.0f')} done, p50 TTFT {spread(p50, ',.0f')} s")
+
+
+PRIORITY_HEADER = (
+    "| router | engine | interactive p50 alone / beside ms | p99 alone / beside s | p99 ratio | SLO met "
+    "| batch done by 600 s | batch p50 TTFT s | tokens/s | preemptions |"
+)
+
+
+def priority_row(name: str, scheduling: str, results: list[Result]) -> str:
+    x = [r.extra for r in results]
+    ratio = [e["beside_p99"] / e["alone_p99"] for e in x]
+    batch = [r.batch for r in results]
+    return (
+        f"| {name} | {scheduling} | {spread([e['alone_p50'] for e in x], ttft_ms)} / "
+        f"{spread([e['beside_p50'] for e in x], ttft_ms)} | {spread([e['alone_p99'] for e in x], '.2f')} / "
+        f"{spread([e['beside_p99'] for e in x], '.2f')} | {spread(ratio, '.2f')} "
+        f"| {spread([r.summary.slo_attainment * 100 for r in results], '.1f')}% "
+        f"| {spread([float(b.finished) if b else 0.0 for b in batch], ',.0f')} "
+        f"| {spread([b.ttft_p50 if b else math.nan for b in batch], ',.0f')} "
+        f"| {spread([r.summary.tokens_per_s for r in results], ',.0f')} "
+        f"| {spread([e['preemptions'] for e in x], ',.0f')} |"
+    )
+
+
+def priority(args: argparse.Namespace) -> None:
+    """The batch flood with each router over engines that schedule first come first served (vLLM's
+    default) and by priority (vLLM's priority scheduler, which every baseline here runs on too)."""
+    print(f"seeds {args.seeds}; views {args.views}; heartbeat {args.heartbeat_s:g} s")
+    w = batch_flood()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for views in args.views:
+            futures = {
+                (router, scheduling): [
+                    pool.submit(
+                        run_one, Run("batch-flood", (), router, s, views, 8, args.heartbeat_s, scheduling)
+                    )
+                    for s in args.seeds
+                ]
+                for router in args.routers
+                for scheduling in ("fcfs", "priority")
+            }
+            print(f"\n**{w.name}: {w.description}; 8 replicas, {w.duration_s:.0f} s; {views} views**\n")
+            print(PRIORITY_HEADER)
+            print("| --- " * 10 + "|")
+            for (router, scheduling), fs in futures.items():
+                print(priority_row(router, scheduling, [f.result() for f in fs]), flush=True)
 
 
 SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-tokens")
@@ -339,7 +395,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("experiment", choices=["placement", "workloads", "scaling", "llmd", "scale"])
+    parser.add_argument(
+        "experiment", choices=["placement", "workloads", "priority", "scaling", "llmd", "scale"]
+    )
     parser.add_argument("--seed", type=int, default=1, help="for `scale`")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--jobs", type=int, default=2, help="processes to run the runs in")
@@ -362,7 +420,8 @@ def main() -> None:
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     args = parser.parse_args()
     experiments = {
-        "placement": placement, "workloads": workloads, "scaling": scaling, "llmd": llmd, "scale": scale,
+        "placement": placement, "workloads": workloads, "priority": priority, "scaling": scaling,
+        "llmd": llmd, "scale": scale,
     }  # fmt: skip
     experiments[args.experiment](args)
 

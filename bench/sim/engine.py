@@ -15,16 +15,26 @@ more.
 KV: a sequence holds the blocks of its uncached prompt tokens and of its output; the prefix cache (the
 simulated engine's `PrefixCache`) keeps prompt blocks by chain hash in what is left, least recently used
 first out. A request is admitted when a sequence slot and its blocks are free; otherwise it waits.
+
+Scheduling `fcfs` (vLLM's default): waiting requests are admitted, and prefilled, in arrival order.
+`priority` (vLLM's priority scheduler): interactive requests wait, and are prefilled, ahead of batch
+requests that have not begun their prefill, and an interactive request that finds too few free blocks
+preempts decoding batch requests, the latest arrival first: each frees its blocks and waits again, and
+when re-admitted computes its prompt and its output so far again (vLLM's recompute preemption), then
+decodes the rest. vLLM preempts when a running request cannot grow; a sequence here holds its output's
+blocks from admission, so the same exchange of blocks happens when the interactive request is admitted.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from gpu_workers.prefix_cache import PrefixCache
+from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, Tier
 
 RATE_WINDOW_S = 10.0  # the worker's heartbeat reports requests finished per second over this window
 EPS = 1e-6  # in tokens and steps; the counters grow large, so an absolute 1e-9 is below float precision
@@ -60,6 +70,7 @@ class TimingModel:
     kv_blocks: int = 25_000  # 400k tokens of KV in what 4 x 80 GB leave after weights and activations
     block_size: int = 16
     max_seqs: int = 256
+    scheduling: str = "fcfs"  # or "priority": see the module docstring
 
 
 @dataclass(eq=False)
@@ -77,6 +88,12 @@ class Request:
     first_token: float = math.nan
     done: float = math.nan
     replica: int = -1
+    preempted: int = 0  # times the engine preempted it
+
+    @property
+    def band(self) -> int:
+        """Its engine priority, lower first (queue_schemas.messages.engine_priority)."""
+        return BATCH_ENGINE_PRIORITY if self.priority == "batch" else ENGINE_PRIORITY[Tier.DEFAULT]
 
 
 @dataclass(eq=False)
@@ -87,6 +104,7 @@ class Seq:
     cum_end: float = 0.0  # prefill position at which its prompt is done
     finish_step: float = 0.0
     first_step: int = 0  # the earliest step whose end can bring its first token
+    generated: int = 0  # output tokens it had when it was preempted (it computes them again)
 
 
 @dataclass(eq=False)
@@ -110,6 +128,7 @@ class Replica:
     completed: int = 0
     finished_at: deque[float] = field(default_factory=deque)  # finish times within RATE_WINDOW_S
     waiting_tokens: int = 0  # prompt tokens of the requests in `waiting`
+    preemptions: int = 0
     _unscheduled: tuple[int, int] = (-1, 0)  # (version, prompts beyond this step's prefill budget)
     cache: PrefixCache = field(init=False)
     cache_log: list[tuple[int, tuple[str, ...]]] | None = None  # inserts since the last heartbeat
@@ -211,9 +230,21 @@ class Replica:
             self.steps = math.ceil(self.steps - EPS)  # an idle engine starts a step when work arrives
         request.placed_at = now
         request.replica = self.index
-        self.waiting.append(Seq(request, 0))
-        self.waiting_tokens += request.prompt_tokens
+        self._wait(Seq(request, 0))
         self.admit()
+
+    def _wait(self, seq: Seq) -> None:
+        """Join the waiting queue: at its end, or under `priority`, behind its own band and the ones
+        before it (in arrival order within a band)."""
+        self.waiting_tokens += seq.request.prompt_tokens + seq.generated
+        if self.model.scheduling != "priority":
+            self.waiting.append(seq)
+            return
+        key = (seq.request.band, seq.request.arrival)
+        at = len(self.waiting)
+        while at and (self.waiting[at - 1].request.band, self.waiting[at - 1].request.arrival) > key:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def admit(self) -> None:
         """Start waiting requests while a sequence slot and their KV blocks are free."""
@@ -222,16 +253,19 @@ class Replica:
             seq = self.waiting[0]
             r = seq.request
             matched = leading_cached(self.cache, r.blocks)
-            uncached = max(1, r.prompt_tokens - matched * m.block_size)
-            need = math.ceil((uncached + r.output_tokens) / m.block_size)
+            uncached = max(1, r.prompt_tokens + seq.generated - matched * m.block_size)
+            need = math.ceil((uncached + r.output_tokens - seq.generated) / m.block_size)
+            if need > self.free_blocks and m.scheduling == "priority":
+                self._preempt_for(r.band, need)
             if need > self.free_blocks:
                 if not self.running and not self.prefilling:
                     need = self.free_blocks  # alone on the replica: let it through rather than stall
                 else:
                     return
             self.waiting.popleft()
-            self.waiting_tokens -= r.prompt_tokens
-            r.cached_tokens = matched * m.block_size
+            self.waiting_tokens -= r.prompt_tokens + seq.generated
+            if not seq.generated:
+                r.cached_tokens = matched * m.block_size
             seq.own_blocks = need
             self.own_used += need
             self.cache.capacity = max(1, m.kv_blocks - self.own_used)
@@ -240,11 +274,64 @@ class Replica:
                 self.cache_log.append((self.cache.capacity, r.blocks))
             if not self.prefilling:
                 self.prefill_done = self.prefill_end = max(self.prefill_done, self.prefill_end)
-            self.prefill_end += uncached
             seq.uncached = uncached
-            seq.cum_end = self.prefill_end
+            self._queue_prefill(seq)
             seq.first_step = math.ceil(self.steps - EPS) + 1  # the step after the one in progress
-            self.prefilling.append(seq)
+
+    def _queue_prefill(self, seq: Seq) -> None:
+        """Its prompt joins the prefill queue: at the end, or under `priority` ahead of lower bands whose
+        prefill has not begun (the positions behind it move back by its length)."""
+        at = len(self.prefilling)
+        if self.model.scheduling == "priority":
+            band = seq.request.band
+            while at:
+                before = self.prefilling[at - 1]
+                begun = before.cum_end - before.uncached < self.prefill_done + EPS
+                if before.request.band <= band or begun:
+                    break
+                at -= 1
+        if at:
+            start = self.prefilling[at - 1].cum_end
+        elif self.prefilling:
+            start = self.prefilling[0].cum_end - self.prefilling[0].uncached
+        else:
+            start = self.prefill_end
+        for later in itertools.islice(self.prefilling, at, None):
+            later.cum_end += seq.uncached
+        seq.cum_end = start + seq.uncached
+        self.prefill_end += seq.uncached
+        self.prefilling.insert(at, seq)
+
+    def _preempt_for(self, band: int, need: int) -> None:
+        """Preempt decoding sequences of a lower priority (a higher band), the latest arrival first, until
+        `need` blocks are free or none is left to preempt."""
+        victims = sorted(
+            (s for _, _, s in self.running if s.request.band > band),
+            key=lambda s: (s.request.band, s.request.arrival),
+        )
+        chosen = []
+        free = self.free_blocks
+        while victims and need > free:
+            victim = victims.pop()
+            chosen.append(victim)
+            free += victim.own_blocks
+        if need > free:
+            return  # preempting would not make room: nothing is preempted
+        for victim in chosen:
+            self._preempt(victim)
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running = [entry for entry in self.running if entry[2] is not seq]
+        heapq.heapify(self.running)
+        self.running_blocks -= seq.own_blocks
+        self.own_used -= seq.own_blocks
+        self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
+        remaining = max(1, math.ceil(seq.finish_step - self.steps - EPS))
+        seq.generated = seq.request.output_tokens - remaining
+        seq.own_blocks = 0
+        seq.request.preempted += 1
+        self.preemptions += 1
+        self._wait(seq)
 
     def process(self, now: float) -> list[Request]:
         """Finish what is due at `now`; returns requests that completed."""
@@ -253,14 +340,18 @@ class Replica:
         finished: list[Request] = []
         while self.prefilling and self.prefilling[0].cum_end <= self.prefill_done + EPS:
             seq = self.prefilling.popleft()
-            # The step that finishes a prompt samples its first token when that step ends.
+            # The step that finishes a prompt samples its first token (or a resumed sequence its next
+            # one) when that step ends.
             first = max(math.ceil(self.steps - EPS), seq.first_step)
-            seq.request.first_token = now + (first - self.steps) * self.step_s()
-            if seq.request.output_tokens <= 1:
+            at = now + (first - self.steps) * self.step_s()
+            if math.isnan(seq.request.first_token):
+                seq.request.first_token = at
+            left = seq.request.output_tokens - seq.generated
+            if left <= 1:
                 finished.append(self._finish(seq, now))
-                seq.request.done = seq.request.first_token
+                seq.request.done = at
                 continue
-            seq.finish_step = first + seq.request.output_tokens - 1
+            seq.finish_step = first + left - 1
             heapq.heappush(self.running, (seq.finish_step, seq.request.rid, seq))
             self.running_blocks += seq.own_blocks
         while self.running and self.running[0][0] <= self.steps + EPS:

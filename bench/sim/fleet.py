@@ -4,9 +4,10 @@ Discrete events on one heap. A replica posts its next event (a prompt done, a se
 state changes; a stale one is recognised by the replica's version and skipped. Heartbeats go out for every
 live replica each `heartbeat_s`. Routers read views of the replicas (views.py): the replicas themselves
 (`exact`) or their last heartbeat plus the router's own placements since (`heartbeat`). A request a
-router holds waits in the hold, interactive ahead of batch and in arrival order within each, and the hold
-is retried (at most `max_misses` failures in a row) after every heartbeat round, every replica start and
-every finished request, for every router alike.
+router holds waits in the hold, interactive ahead of batch and in arrival order within each (a router with
+`fair_hold`, sluice's, orders it as the dispatcher's hold does: `dispatcher.hold.FairQueue`, teams by
+tokens served within a band), and the hold is retried (at most `max_misses` failures in a row) after
+every heartbeat round, every replica start and every finished request, for every router alike.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.sim.engine import Replica, Request, TimingModel
 from bench.sim.metrics import Stats
 from bench.sim.routers import Router
 from bench.sim.views import Mode, ReplicaView, Snapshot
+from dispatcher.hold import FairQueue
 
 
 @dataclass
@@ -39,6 +41,66 @@ class FleetState:
     completed_recent: dict[int, float]  # completions per second over the last 10 s, per ready replica
     prefill_tokens: int = 0  # prompt tokens not yet prefilled: held, waiting and in prefill
     ttft_mean: float = math.nan  # mean time to first token of the requests finished since the last tick
+
+
+class SimHold:
+    """Requests a router could not place yet. `fair`: the dispatcher's order (FairQueue, a request's team
+    is its tenant); otherwise interactive ahead of batch, each in arrival order."""
+
+    def __init__(self, fair: bool) -> None:
+        self.fair = fair
+        self._classes: dict[str, deque[Request]] = {"interactive": deque(), "batch": deque()}
+        self._order: FairQueue[Request] = FairQueue()
+        self._count = {"interactive": 0, "batch": 0}
+
+    def __len__(self) -> int:
+        return self._count["interactive"] + self._count["batch"]
+
+    def requests(self) -> Iterator[Request]:
+        return self._order.ordered() if self.fair else itertools.chain(*self._classes.values())
+
+    def blocks(self, request: Request) -> bool:
+        """Whether something held goes before the new request (it then waits its turn in the hold)."""
+        return bool(self._count["interactive"] or (request.priority == "batch" and self._count["batch"]))
+
+    def add(self, request: Request) -> None:
+        self._count[request.priority] += 1
+        if self.fair:
+            self._order.add(request, request.band, str(request.tenant))
+        else:
+            self._classes[request.priority].append(request)  # behind those of its class already waiting
+
+    def retry(self, place: Callable[[Request], bool], max_misses: int) -> None:
+        """Offer held requests in order; stop after `max_misses` failures in a row (the failed ones keep
+        their places)."""
+        misses = 0
+        if self.fair:
+            placed = []
+            for request in self._order.ordered():
+                if misses >= max_misses:
+                    break
+                if place(request):
+                    placed.append(request)
+                    misses = 0
+                else:
+                    misses += 1
+            for request in placed:
+                self._order.remove(request, request.band, str(request.tenant))
+                self._order.charge(str(request.tenant), request.prompt_tokens + request.max_tokens)
+                self._count[request.priority] -= 1
+            return
+        for priority in ("interactive", "batch"):
+            queue = self._classes[priority]
+            failed: list[Request] = []
+            while queue and misses < max_misses:
+                request = queue.popleft()
+                if place(request):
+                    misses = 0
+                    self._count[priority] -= 1
+                else:
+                    failed.append(request)
+                    misses += 1
+            queue.extendleft(reversed(failed))
 
 
 class Scaler(Protocol):
@@ -78,6 +140,7 @@ class Fleet:
         views: Mode = "heartbeat",
         by_minute: bool = False,
         sink: list[Request] | None = None,
+        split_at: float | None = None,
     ) -> None:
         self.router = router
         self.sink = sink
@@ -93,11 +156,11 @@ class Fleet:
         self._launched: dict[int, float] = {}
         self._by_index: dict[int, Replica] = {}
         self.starting = 0
-        self.hold: dict[str, deque[Request]] = {"interactive": deque(), "batch": deque()}
+        self.hold = SimHold(fair=getattr(router, "fair_hold", False))
         self._heap: list[tuple[float, int, int, int]] = []
         self._tie = itertools.count()
         self.arrived = 0
-        self.stats = Stats(minutes={} if by_minute else None)
+        self.stats = Stats(minutes={} if by_minute else None, split_at=split_at)
         self.replica_seconds = 0.0
         self._last_t = 0.0
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -154,7 +217,7 @@ class Fleet:
                 self._post(replica)
                 if replica.draining and replica.in_system == 0:
                     self._retire(replica, by_index)
-                if finished and any(self.hold.values()):
+                if finished and len(self.hold):
                     self._retry_hold(t)
             elif kind == BEAT:
                 if self.mode == "heartbeat":
@@ -179,11 +242,11 @@ class Fleet:
                 by_index[arg] = replica
                 self.router.observe(self._eligible(), t)
                 self._retry_hold(t)
-        unfinished = sum(len(q) for q in self.hold.values()) + sum(r.in_system for r in self.live)
+        unfinished = len(self.hold) + sum(r.in_system for r in self.live)
         return Outcome(self.stats, self.replica_seconds, self.timeline, unfinished, self.hold_peak)
 
     def _busy(self) -> bool:
-        return any(self.hold.values()) or any(r.in_system for r in self.live)
+        return bool(len(self.hold)) or any(r.in_system for r in self.live)
 
     def _account(self, t: float) -> None:
         self.replica_seconds += (t - self._last_t) * (len(self.live) + self.starting)
@@ -193,26 +256,12 @@ class Fleet:
         return [self.views[r.index] for r in self.live if not r.draining]
 
     def _offer(self, request: Request, t: float) -> None:
-        ahead = self.hold["interactive"] or (request.priority == "batch" and self.hold["batch"])
-        if ahead or not self._place_now(request, t):
-            self.hold[request.priority].append(request)  # behind those of its class already waiting
-        self.hold_peak = max(self.hold_peak, sum(len(q) for q in self.hold.values()))
+        if self.hold.blocks(request) or not self._place_now(request, t):
+            self.hold.add(request)
+        self.hold_peak = max(self.hold_peak, len(self.hold))
 
     def _retry_hold(self, t: float) -> None:
-        """Offer held requests again from the head, interactive first; stop after `max_misses` failures in
-        a row (the failed ones keep their places)."""
-        misses = 0
-        for priority in ("interactive", "batch"):
-            queue = self.hold[priority]
-            failed: list[Request] = []
-            while queue and misses < self.max_misses:
-                request = queue.popleft()
-                if self._place_now(request, t):
-                    misses = 0
-                else:
-                    failed.append(request)
-                    misses += 1
-            queue.extendleft(reversed(failed))
+        self.hold.retry(lambda request: self._place_now(request, t), self.max_misses)
 
     def _place_now(self, request: Request, t: float) -> bool:
         views = self._eligible()
@@ -239,11 +288,9 @@ class Fleet:
                 times.popleft()
             recent[r.index] = len(times) / 10.0
         draining = sum(1 for r in self.live if r.draining)
-        held = sum(len(q) for q in self.hold.values())
+        held = len(self.hold)
         backlog = held + sum(r.queue for r in ready)
-        prefill = sum(r.prompt_tokens for q in self.hold.values() for r in q) + sum(
-            r.prefill_tokens() for r in ready
-        )
+        prefill = sum(r.prompt_tokens for r in self.hold.requests()) + sum(r.prefill_tokens() for r in ready)
         ttft = self._ttft_sum / self._ttft_count if self._ttft_count else math.nan
         self._ttft_sum, self._ttft_count = 0.0, 0
         state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft)
@@ -280,9 +327,10 @@ def simulate(
     views: Mode = "heartbeat",
     by_minute: bool = False,
     sink: list[Request] | None = None,
+    split_at: float | None = None,
 ) -> Outcome:
     fleet = Fleet(
         router_factory(), model, replicas, scaler=scaler, startup_s=startup_s, heartbeat_s=heartbeat_s,
-        views=views, by_minute=by_minute, sink=sink,
+        views=views, by_minute=by_minute, sink=sink, split_at=split_at,
     )  # fmt: skip
     return fleet.run(requests(random.Random(seed)), duration_s)

@@ -83,8 +83,13 @@ class Stats:
     output_tokens: int = 0
     last_done: float = 0.0
     minutes: dict[int, Sketch] | None = None  # interactive TTFT by minute of arrival, when asked for
+    split_at: float | None = None  # when set: interactive TTFT of arrivals before it and from it on
+    before: Sketch = field(default_factory=Sketch)
+    after: Sketch = field(default_factory=Sketch)
+    preemptions: int = 0
 
     def add(self, r: Request) -> None:
+        self.preemptions += r.preempted
         c = self.by_class[r.priority]
         c.finished += 1
         ttft = r.first_token - r.arrival
@@ -100,6 +105,8 @@ class Stats:
         self.last_done = max(self.last_done, r.done)
         if self.minutes is not None and r.priority == "interactive":
             self.minutes.setdefault(int(r.arrival // 60), Sketch()).add(ttft)
+        if self.split_at is not None and r.priority == "interactive":
+            (self.before if r.arrival < self.split_at else self.after).add(ttft)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class SluiceRouter:
     table filled from the views' reports, with the dispatcher's own placements since added in."""
 
     name = "sluice"
+    fair_hold = True  # the fleet's hold runs the dispatcher's order (dispatcher.hold.FairQueue)
 
     def __init__(self, policy: PlacementPolicy, rng: random.Random) -> None:
         self.policy = policy

@@ -135,14 +135,17 @@ def diurnal(peak: float = 6.0, day_s: float = 24 * 3600.0) -> Workload:
     return Workload("diurnal", day_s, gen, f"a day, peak {peak:g} req/s in the evening ramp")
 
 
+FLOOD_AT_S = 60.0
+
+
 def batch_flood(rate: float = 20.0, batch: int = 20_000, duration_s: float = 600.0) -> Workload:
     """Interactive shared-prefix traffic with a batch of long-output requests submitted at once beside it."""
     interactive = shared_prefix(rate=rate, tenants=60, duration_s=duration_s)
 
     def gen(rng: random.Random) -> Iterator[Request]:
         flood = [
-            Request(1_000_000 + i, 60.0 + i * 1e-4, blocks_of(f"b{i}", 0, 40), 640, rng.randint(200, 600),
-                    priority="batch", max_tokens=1024)
+            Request(1_000_000 + i, FLOOD_AT_S + i * 1e-4, blocks_of(f"b{i}", 0, 40), 640,
+                    rng.randint(200, 600), priority="batch", max_tokens=1024)
             for i in range(batch)
         ]  # fmt: skip
         merged = sorted([*interactive.requests(rng), *flood], key=lambda r: r.arrival)

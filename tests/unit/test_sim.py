@@ -100,6 +100,62 @@ def test_requests_wait_for_kv_blocks() -> None:
     assert big[0].done <= big[1].first_token
 
 
+def batch(r: Request) -> Request:
+    r.priority = "batch"
+    return r
+
+
+def drain(replica: Replica) -> None:
+    while replica.in_system:
+        replica.process(replica.next_event())
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
+def test_under_priority_an_interactive_prompt_is_prefilled_before_batch_prompts_queued_ahead(
+    scheduling: str,
+) -> None:
+    replica = Replica(0, TimingModel(chunk_tokens=1000, scheduling=scheduling))
+    batches = [batch(request(i, f"b{i}", 125, 2)) for i in range(4)]  # 2,000 tokens each: 2 steps
+    for r in batches:
+        replica.place(r, 0.0)
+    urgent = request(9, "i", 10, 2, at=0.001)
+    replica.place(urgent, urgent.arrival)
+    drain(replica)
+    ahead = sum(r.first_token < urgent.first_token for r in batches)
+    # fcfs: behind all four (8 steps of prefill); priority: only behind the one whose prefill began.
+    assert ahead == (4 if scheduling == "fcfs" else 1)
+
+
+def test_an_interactive_request_short_of_blocks_preempts_the_latest_decoding_batch_request() -> None:
+    model = TimingModel(kv_blocks=300, chunk_tokens=4096, scheduling="priority")
+    replica = Replica(0, model)
+    old, new = batch(request(1, "o", 20, 1600)), batch(request(2, "n", 20, 1600, at=0.001))  # 120 blocks
+    replica.place(old, old.arrival)
+    replica.place(new, new.arrival)
+    while math.isnan(new.first_token):
+        replica.process(replica.next_event())
+    replica.advance(1.0)  # both decoding
+    urgent = request(3, "i", 20, 1600, at=1.0)  # 120 blocks: only 60 free
+    replica.place(urgent, 1.0)
+    assert (old.preempted, new.preempted, replica.preemptions) == (0, 1, 1)
+    assert replica.free_blocks == 300 - 240
+    drain(replica)
+    assert new.done > urgent.done  # it waited for blocks, then computed its prompt and output again
+    assert replica.free_blocks == 300
+    assert not replica.waiting
+    assert replica.completed == 3
+
+
+def test_fcfs_never_preempts() -> None:
+    replica = Replica(0, TimingModel(kv_blocks=300, chunk_tokens=4096))
+    first = batch(request(1, "o", 20, 1600))
+    replica.place(first, 0.0)
+    replica.place(request(2, "i", 20, 3200, at=0.5), 0.5)
+    replica.place(request(3, "j", 20, 1600, at=0.6), 0.6)
+    drain(replica)
+    assert replica.preemptions == 0
+
+
 def fleet_state(**kw: object) -> FleetState:
     base: dict[str, object] = dict(
         now=0.0, arrived=0, backlog=0, ready=[], starting=0, draining=0, completed_recent={}
