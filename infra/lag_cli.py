@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import httpx
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -22,18 +23,31 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def replicas_cell(r: dict[str, int]) -> str:
+    """Ready/desired, then starting (+) and draining (-) when there are any: `2/4 +1`."""
+    cell = f"{r['ready']}/{r['desired']}"
+    if r["starting"]:
+        cell += f" +{r['starting']}"
+    if r["draining"]:
+        cell += f" -{r['draining']}"
+    return cell
+
+
 def pool_rows(body: dict[str, Any]) -> list[list[str]]:
-    """One row per pool: lag, status, backlog, rates, replicas and the last decision."""
+    """One row per pool: lag, status, backlog, rates, replicas and speculative decoding."""
     rows = []
     for p in body["pools"]:
-        r = p["replicas"]
         rows.append([
             p["pool"], str(p["lag"]), p["status"], str(p["backlog"]), _num(p["batch_lag"]),
-            _num(p["arrival_rate"], 2), _num(p["completion_rate"], 2),
-            f"{r['ready']}/{r['desired']}", str(r["starting"]), str(r["draining"]),
-            "on" if p["spec_decoding"] else "off", f"{p['decision']['action']}: {p['decision']['reason']}",
+            _num(p["arrival_rate"], 2), _num(p["completion_rate"], 2), replicas_cell(p["replicas"]),
+            "on" if p["spec_decoding"] else "off",
         ])  # fmt: skip
     return rows
+
+
+def decision_lines(body: dict[str, Any]) -> list[str]:
+    """Each pool's last scaling decision, a line of its own under the table."""
+    return [f"{p['pool']}: {p['decision']['action']}, {p['decision']['reason']}" for p in body["pools"]]
 
 
 def worker_rows(body: dict[str, Any]) -> list[list[str]]:
@@ -44,30 +58,45 @@ def worker_rows(body: dict[str, Any]) -> list[list[str]]:
             rows.append([
                 p["pool"], w["worker"], w["state"], _pct(w["kv_used"]), str(w["running"]),
                 str(w["waiting"]), _pct(w["prefix_hit"]), _num(w["decode_tokens_per_s"]),
-                f"{w['heartbeat_age_s']:.1f} s",
+                f"{w['heartbeat_age_s']:.1f}s",
             ])  # fmt: skip
     return rows
 
 
-POOL_COLUMNS = [
-    "pool", "lag", "status", "backlog", "batch lag", "arrivals/s", "done/s", "ready/desired", "starting",
-    "draining", "spec", "last decision",
-]  # fmt: skip
-WORKER_COLUMNS = ["pool", "worker", "state", "KV used", "running", "waiting", "prefix hits", "tok/s", "age"]
+# Short headers: with a narrow terminal the numbers keep their columns, and only names are cut short.
+POOL_COLUMNS = ["pool", "lag", "status", "backlog", "batch", "in/s", "done/s", "replicas", "spec"]
+WORKER_COLUMNS = ["pool", "worker", "state", "KV", "run", "wait", "hits", "tok/s", "age"]
+NAMES = 2  # the leading columns that hold names: they shrink (cut with …) before any number does
+
+
+def table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    """Number and state columns keep their full width; the name columns get what is left, cut with …"""
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, name in enumerate(columns):
+        if i < NAMES:
+            t.add_column(name, overflow="ellipsis", no_wrap=True, max_width=20)
+        else:
+            widest = max([len(name), *(len(row[i]) for row in rows)])
+            justify = "left" if name in ("status", "state", "spec") else "right"
+            t.add_column(name, justify=justify, no_wrap=True, min_width=widest)
+    return t
 
 
 def render(body: dict[str, Any]) -> Group:
-    pools = Table(*POOL_COLUMNS, title="pools", title_justify="left")
-    for row in pool_rows(body):
+    rows = pool_rows(body)
+    pools = table("pools", POOL_COLUMNS, rows)
+    for row in rows:
         style = STATUS_STYLE.get(row[2], "bold red")
         pools.add_row(*row[:2], Text(row[2], style=style), *row[3:])
-    workers = Table(*WORKER_COLUMNS, title="workers", title_justify="left")
-    for row in worker_rows(body):
+    decisions = [Text(line, style="dim") for line in decision_lines(body)]
+    rows = worker_rows(body)
+    workers = table("workers", WORKER_COLUMNS, rows)
+    for row in rows:
         workers.add_row(*row)
     stamp = Text(f"read at {time.strftime('%H:%M:%S', time.localtime(body['now']))}", style="dim")
     if not body["pools"]:
         stamp = Text("the scaler has not read any pool yet", style="dim")
-    return Group(pools, workers, stamp)
+    return Group(pools, *decisions, workers, stamp)
 
 
 def fetch(url: str, client: httpx.Client) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from collections import deque
 
 from rich.console import Console
 
-from infra.lag_cli import pool_rows, render, worker_rows
+from infra.lag_cli import decision_lines, pool_rows, render, worker_rows
 from scaler.burrow import Status
 from scaler.dashboard import Sample, dashboard_body, sample_of
 from scaler.lag import PoolLag
@@ -70,9 +70,8 @@ def test_lag_tables_show_the_same_numbers() -> None:
         {"chat": report(12, 2)}, {"chat": [Sample(1.0, 12, 7, 17, 2.5, 3.0, 2, 1, 0, 4)]}, 1001.0
     )
     (row,) = pool_rows(body)
-    assert row[:10] == ["chat", "12", "WARN", "17", "7", "2.50", "3.00", "2/4", "1", "0"]
-    assert row[10] == "on"
-    assert row[11] == "up: forecast above capacity"
+    assert row == ["chat", "12", "WARN", "17", "7", "2.50", "3.00", "2/4 +1", "on"]
+    assert decision_lines(body) == ["chat: up, forecast above capacity"]
     workers = worker_rows(body)
     assert [w[:7] for w in workers] == [
         ["chat", "w0", "ready", "60%", "3", "2", "75%"],
@@ -81,8 +80,27 @@ def test_lag_tables_show_the_same_numbers() -> None:
     console = Console(width=160, record=True)
     console.print(render(body))
     text = console.export_text()
-    assert "up: forecast above capacity" in text
+    assert "chat: up, forecast above capacity" in text
     assert "w1" in text
     empty = Console(width=160, record=True)
     empty.print(render({"now": 0.0, "pools": []}))
     assert "has not read any pool yet" in empty.export_text()
+
+
+def test_lag_tables_fit_an_80_column_terminal_without_squashing_the_numbers() -> None:
+    r = report(12_345, 2)
+    r.workers[0] = beat("chat-worker-with-a-long-generated-id-7f3a9c", running=3, kv_blocks_free=4)
+    body = dashboard_body({"a-pool-with-a-long-name": r}, {}, 1001.0)
+    console = Console(width=80, record=True)
+    console.print(render(body))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    pool_header = next(line for line in lines if "status" in line)
+    for column in ("lag", "status", "backlog", "batch", "in/s", "done/s", "replicas", "spec"):
+        assert column in pool_header.split(), f"{column} is cut or wrapped in: {pool_header!r}"
+    worker_header = next(line for line in lines if "state" in line)
+    for column in ("state", "KV", "run", "wait", "hits", "tok/s", "age"):
+        assert column in worker_header.split()
+    assert any("12345" in line and "WARN" in line and "2/4 +1" in line for line in lines)
+    decision = [line for line in lines if "forecast above capacity" in line]
+    assert len(decision) == 1  # the decision has its own line, not a wrapped column
