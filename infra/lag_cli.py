@@ -10,7 +10,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
-from rich.text import Text
+from rich.text import JustifyMethod, Text
 
 STATUS_STYLE = {"OK": "green", "WARN": "yellow"}  # every other status is an alarm
 
@@ -77,7 +77,7 @@ def table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
             t.add_column(name, overflow="ellipsis", no_wrap=True, max_width=20)
         else:
             widest = max([len(name), *(len(row[i]) for row in rows)])
-            justify = "left" if name in ("status", "state", "spec") else "right"
+            justify: JustifyMethod = "left" if name in ("status", "state", "spec") else "right"
             t.add_column(name, justify=justify, no_wrap=True, min_width=widest)
     return t
 
