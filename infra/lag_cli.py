@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, Group, JustifyMethod
 from rich.live import Live
 from rich.table import Table
-from rich.text import JustifyMethod, Text
+from rich.text import Text
 
 STATUS_STYLE = {"OK": "green", "WARN": "yellow"}  # every other status is an alarm
 
