@@ -1,0 +1,178 @@
+"""Priority and fairness through the real broker and Valkey: the order the dispatcher serves teams, tiers
+and classes in, team weights read from the team record, and batch requests that the engine preempts for
+interactive ones finishing whole, with usage and charge that match."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from gpu_workers.simulated import answer_to, apply_stops
+from queue_schemas.codec import decode, decode_stream_event, encode
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.messages import (
+    FinalChunk,
+    Heartbeat,
+    InferenceRequest,
+    StreamEvent,
+    Tier,
+    TokenChunk,
+    WorkerState,
+)
+from queue_schemas.openai_types import ChatMessage
+from queue_schemas.quota import TeamRecord
+from queue_schemas.tokenizer import ByteTokenizer
+from tests.conftest import Bus
+from tests.integration.helpers import (
+    Pipeline,
+    chat,
+    create_topics,
+    make_request,
+    pipeline,
+    produce,
+    read_answers,
+    register_signer,
+    submission,
+    wait_state,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+ONE_AT_A_TIME = SimulatedEngineConfig(ttft_ms=5, token_ms=15, max_running=1)
+MAX_TOKENS = 200
+
+
+def request(rid: str, team: str, tier: Tier = Tier.DEFAULT) -> InferenceRequest:
+    return make_request("sim", rid, max_tokens=6).model_copy(update={"team": team, "tier": tier})
+
+
+async def start_order(p: Pipeline, expected: set[str], ready: asyncio.Event, within_s: float) -> list[str]:
+    """Request ids in the order their first stream event arrived, until each has its final chunk."""
+    order: list[str] = []
+    finished: set[str] = set()
+    deadline = time.monotonic() + within_s
+    async with p.redis.pubsub() as pubsub:
+        await pubsub.psubscribe(p.settings.names.stream_channel("*"))
+        ready.set()
+        while time.monotonic() < deadline and finished != expected:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+            if msg is None:
+                continue
+            event: StreamEvent = decode_stream_event(msg["data"])
+            if event.request_id not in expected:
+                continue
+            if event.request_id not in order:
+                order.append(event.request_id)
+            if not isinstance(event, TokenChunk):
+                assert isinstance(event, FinalChunk), event
+                finished.add(event.request_id)
+    assert finished == expected, f"unfinished: {expected - finished}"
+    return order
+
+
+async def held_while_draining(p: Pipeline, requests: list[InferenceRequest], batch: list[bytes]) -> list[str]:
+    """Produce everything while the only worker drains (so all of it waits in the dispatcher's hold), let
+    the worker back, and return the order the requests started in."""
+    names = p.settings.names
+    await p.redis.set(names.drain_request(p.worker_id), b"1", ex=60)
+    await wait_state(p, p.worker_id, WorkerState.DRAINING)
+    ready = asyncio.Event()
+    expected = {r.request_id for r in requests}
+    watching = asyncio.create_task(start_order(p, expected, ready, within_s=60))
+    await ready.wait()
+    for r in requests:
+        await p.producer.send_and_wait(names.requests_topic("sim"), encode(r), key=r.request_id.encode())
+    if batch:
+        signer = await register_signer(p.redis, names, "acme")
+        await produce(p.settings, [(names.batch_topic("sim"), b) for b in batch], signer)
+    await asyncio.sleep(1.5)  # received, admitted and held; team weights re-read meanwhile
+    await p.redis.delete(names.drain_request(p.worker_id))
+    return await watching
+
+
+async def test_tiers_then_teams_by_tokens_served_then_batch(bus: Bus) -> None:
+    async with pipeline(bus, engine=ONE_AT_A_TIME, weights_refresh_s=0.2) as p:
+        await create_topics(p.settings, p.settings.names.results_topic("acme"), partitions=1)
+        requests = [
+            request("flood-000001", "flood"),
+            request("flood-000002", "flood"),
+            request("flood-000003", "flood"),
+            request("flex-0000001", "quiet", Tier.FLEX),
+            request("quiet-000001", "quiet"),
+            request("urgent-00001", "vip", Tier.PRIORITY),
+        ]
+        batch = [json.dumps(submission("nightly-1", chat("summarise", max_tokens=4))).encode()]
+        order = await held_while_draining(p, requests, batch)
+        assert order == [
+            "urgent-00001",  # the priority tier first
+            "flood-000001",  # default tier: each team's head in turn (flood's arrived first)
+            "quiet-000001",
+            "flood-000002",  # then the rest of the team with the most tokens served
+            "flood-000003",
+            "flex-0000001",  # the flex tier after every default request
+        ]
+        answers = await read_answers(
+            p.settings.kafka_bootstrap, p.settings.names.results_topic("acme"), 1, 30
+        )
+        assert [a["response"]["status_code"] for a in answers] == [200]  # batch last, and answered
+
+
+async def test_a_team_of_weight_three_gets_three_turns_for_each_of_a_team_of_weight_one(bus: Bus) -> None:
+    async with pipeline(bus, engine=ONE_AT_A_TIME, weights_refresh_s=0.2) as p:
+        names = p.settings.names
+        await p.redis.set(names.team("gold"), TeamRecord(team="gold", weight=3).model_dump_json())
+        requests = []
+        for i in range(8):
+            requests += [request(f"plain-{i:06d}", "plain"), request(f"gold-{i:07d}", "gold")]
+        order = await held_while_draining(p, requests, [])
+        first = [rid.split("-")[0] for rid in order[:12]]
+        # The first round takes each team's head; from then on gold's tokens count a third as much.
+        assert first.count("gold") == 8, first
+        assert first.count("plain") == 4, first
+
+
+async def test_preempted_batch_requests_finish_whole_and_are_charged_what_they_used(bus: Bus) -> None:
+    """KV blocks for about three long answers at a time: six long batch requests, and interactive ones
+    beside them, which the engine serves first. Batch requests are preempted and computed again; every
+    answer is still the whole deterministic answer, its usage is its prompt and that answer, and the
+    team's day counter holds the sum."""
+    engine = SimulatedEngineConfig(
+        ttft_ms=5, token_ms=4, max_running=8, kv_blocks=40, min_words=40, max_words=40
+    )
+    async with pipeline(bus, engine=engine, batch_headroom_fraction=0.0) as p:
+        names = p.settings.names
+        reply = names.results_topic("acme")
+        await create_topics(p.settings, reply, partitions=1)
+        signer = await register_signer(p.redis, names, "acme")
+        texts = [f"batch item {i}: summarise the queue" for i in range(6)]
+        subs = [submission(f"long-{i}", chat(texts[i], max_tokens=MAX_TOKENS)) for i in range(6)]
+        await produce(p.settings, [(names.batch_topic("sim"), json.dumps(s).encode()) for s in subs], signer)
+        await asyncio.sleep(0.5)
+        interactive = [make_request("sim", f"urgent-{i:07d}", max_tokens=120) for i in range(4)]
+        ready = asyncio.Event()
+        urgent = asyncio.create_task(start_order(p, {r.request_id for r in interactive}, ready, 60))
+        await ready.wait()
+        for r in interactive:
+            await p.producer.send_and_wait(names.requests_topic("sim"), encode(r), key=r.request_id.encode())
+        answers = await read_answers(p.settings.kafka_bootstrap, reply, 6, 60)
+        await urgent  # each interactive request finished too
+        assert sorted(a["custom_id"] for a in answers) == [f"long-{i}" for i in range(6)]
+        used = 0
+        for a in answers:
+            assert a["response"]["status_code"] == 200, a
+            body = a["response"]["body"]
+            prompt = ByteTokenizer().encode_chat(
+                [ChatMessage(role="user", content=texts[int(a["custom_id"][5:])])]
+            )
+            whole, _ = apply_stops(answer_to(prompt, 40, 40), MAX_TOKENS, ())
+            assert body["choices"][0]["message"]["content"] == whole
+            assert body["usage"]["prompt_tokens"] == len(prompt)
+            assert body["usage"]["completion_tokens"] == len(whole)
+            used += body["usage"]["total_tokens"]
+        beat = decode(Heartbeat, await p.redis.get(names.heartbeat("sim", p.worker_id)) or b"")
+        assert beat.preemptions > 0, "the engine preempted nothing: the test no longer tests preemption"
+        day = await p.redis.keys(names.quota_day("acme", "*"))
+        assert int(await p.redis.get(day[0]) or 0) == used
