@@ -109,11 +109,13 @@ def keys_limits(
 
 @keys_app.command("list")
 def keys_list() -> None:
-    """List keys by team (key ids only; keys themselves are never stored)."""
+    """List keys by team (key ids only; keys themselves are never stored): team, key id, pools, and
+    `priority` where the key may ask for the priority service tier."""
     from infra.keys import list_keys
 
     for _, record in with_redis(list_keys):
-        typer.echo(f"{record.team}\t{record.key_id}\t{','.join(record.pools) or '*'}")
+        tiers = "\tpriority" if record.allow_priority else ""
+        typer.echo(f"{record.team}\t{record.key_id}\t{','.join(record.pools) or '*'}{tiers}")
 
 
 @keys_app.command("revoke")

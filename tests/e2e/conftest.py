@@ -89,7 +89,9 @@ def endpoints(dev_stack: tuple[DevStack, Endpoints]) -> Endpoints:
     return dev_stack[1]
 
 
-def team_key(endpoints: Endpoints, team: str, limits: TeamLimits | None = None) -> str:
+def team_key(
+    endpoints: Endpoints, team: str, limits: TeamLimits | None = None, *, allow_priority: bool = False
+) -> str:
     """A fresh key for `team`, with the team's limits set first when given."""
 
     async def go() -> str:
@@ -97,7 +99,7 @@ def team_key(endpoints: Endpoints, team: str, limits: TeamLimits | None = None) 
         try:
             if limits is not None:
                 await set_team_limits(redis, Names(), team, limits)
-            return await create_key(redis, Names(), team)
+            return await create_key(redis, Names(), team, allow_priority=allow_priority)
         finally:
             await redis.aclose()
 

@@ -135,6 +135,15 @@ def test_keys_cli_create_list_limits_revoke(endpoints: Endpoints) -> None:
     assert key not in listing, "listings show key ids, never keys"
     assert row.split("\t")[2] == "sim"
     assert "rpm=100" in cli(endpoints, "limits", "--team", "cli-team").stdout
+    weighted = cli(endpoints, "limits", "--team", "cli-team", "--weight", "2.5").stdout
+    assert "rpm=100" in weighted, "setting the weight keeps the limits"
+    assert "weight=2.5" in weighted
+    assert cli(endpoints, "limits", "--team", "cli-team", "--weight", "0").returncode != 0
+    assert "weight=2.5" in cli(endpoints, "limits", "--team", "cli-team").stdout
+    urgent = cli(endpoints, "create", "--team", "cli-team", "--allow-priority").stdout.strip()
+    rows = [line.split("\t") for line in cli(endpoints, "list").stdout.splitlines()]
+    assert [r[3:] for r in rows if r[1] == urgent[: len(key_id)]] == [["priority"]]
+    assert [r[3:] for r in rows if r[1] == key_id] == [[]]
 
     client = openai_client(endpoints, key)
     assert [m.id for m in client.models.list()] == ["sluice-sim"]

@@ -8,6 +8,7 @@ import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
@@ -177,3 +178,21 @@ def test_oversized_bodies_are_refused_before_they_are_read(dev_stack: tuple[DevS
     # Unauthenticated callers are refused before their body is looked at.
     anonymous = httpx.post(url, content=b"{" + b" " * limit + b"}", timeout=30)
     assert anonymous.status_code == 401
+
+
+def test_the_priority_service_tier_needs_a_key_that_allows_it(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    _, endpoints = dev_stack
+    plain = openai_client(endpoints, team_key(endpoints, "tiers"))
+    message: list[ChatCompletionMessageParam] = [{"role": "user", "content": "now"}]
+    with pytest.raises(openai.PermissionDeniedError) as err:
+        plain.chat.completions.create(model="sluice-sim", messages=message, service_tier="priority")
+    assert err.value.code == "service_tier_not_allowed"
+    tiers: tuple[Literal["flex", "default", "auto"], ...] = ("flex", "default", "auto")
+    for tier in tiers:
+        assert plain.chat.completions.create(model="sluice-sim", messages=message, service_tier=tier).choices
+    with pytest.raises(openai.BadRequestError) as bad:
+        plain.chat.completions.create(model="sluice-sim", messages=message, service_tier="scale")
+    assert "service_tier" in str(bad.value)
+    allowed = openai_client(endpoints, team_key(endpoints, "tiers", allow_priority=True))
+    reply = allowed.chat.completions.create(model="sluice-sim", messages=message, service_tier="priority")
+    assert reply.choices[0].message.content
