@@ -87,6 +87,7 @@ def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
         else None,
         "decode_tokens_per_s": round(hb.decode_tokens_per_s, 1),
         "completed_per_s": round(hb.completed_per_s, 3),
+        "preemptions": hb.preemptions,
         "spec_decoding": hb.spec_decoding,
         "heartbeat_age_s": round(max(0.0, now - hb.sent_at), 2),
     }
