@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 from pydantic import ValidationError
 
-from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, InferenceRequest, Priority
+from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, RANKS, InferenceRequest, Priority
 from queue_schemas.quota import TeamRecord
 
 BANDS = (*sorted(ENGINE_PRIORITY.values()), BATCH_ENGINE_PRIORITY)
@@ -85,12 +85,25 @@ class FairQueue(Generic[T]):
         """Count tokens served to a team once its request is placed, scaled by 1/weight."""
         self._served[team] = self._served.get(team, 0.0) + tokens / self._weights.get(team, 1.0)
 
+    def _teams_in_order(self, band: int) -> list[str]:
+        teams = self._queues[band]
+        return sorted(teams, key=lambda t: (self._served.get(t, 0.0), teams[t][0][0]))
+
+    def ranks(self) -> dict[tuple[int, str], int]:
+        """Each waiting team's place in its band's order (0 first), capped at RANKS - 1: the request
+        carries it into the engine, so the order also holds among requests queued there."""
+        return {
+            (band, team): min(i, RANKS - 1)
+            for band in BANDS
+            for i, team in enumerate(self._teams_in_order(band))
+        }
+
     def ordered(self) -> Iterator[T]:
         """Items in the order they should be offered to workers. Lazy: take what a round needs, and
         change the queue (remove, charge) only after the round."""
         for band in BANDS:
             teams = self._queues[band]
-            by_team = sorted(teams, key=lambda t: (self._served.get(t, 0.0), teams[t][0][0]))
+            by_team = self._teams_in_order(band)
             # Round-robin the teams in served order, so each team's head comes before any team's second.
             for round_ in itertools.zip_longest(*(teams[t] for t in by_team)):
                 yield from (entry[1] for entry in round_ if entry is not None)
@@ -136,7 +149,7 @@ class Hold:
         rid = held.request.request_id
         if rid in self._by_id:
             return False
-        held.band = held.request.engine_priority
+        held.band = held.request.band
         self._order.add(held, held.band, held.request.team)
         self._by_id[rid] = held
         return True
@@ -153,6 +166,9 @@ class Hold:
     def ordered(self) -> Iterator[Held]:
         """Held requests in the order they should be offered to workers."""
         return self._order.ordered()
+
+    def ranks(self) -> dict[tuple[int, str], int]:
+        return self._order.ranks()
 
     def expired(self, now: float) -> list[Held]:
         return [h for h in self._by_id.values() if now > h.request.start_deadline()]

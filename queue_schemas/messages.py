@@ -42,10 +42,11 @@ class Tier(StrEnum):
     FLEX = "flex"
 
 
-# Engine priorities, lower first (vLLM's convention): the dispatcher's hold serves its bands in this order
-# too, so a request's place is the same before and inside the engine.
+# Bands, lower first: the dispatcher's hold serves them in this order, and the engine's priority (vLLM's
+# convention: lower first) follows them, so a request's place is the same before and inside the engine.
 ENGINE_PRIORITY = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 2}
 BATCH_ENGINE_PRIORITY = 3
+RANKS = 16  # places in the fair order carried into the engine within a band
 
 
 def engine_priority(priority: Priority, tier: Tier) -> int:
@@ -136,6 +137,13 @@ class InferenceRequest(Message):
     sampling: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     tier: Tier = Field(default=Tier.DEFAULT, description="service tier within the interactive class")
+    rank: int = Field(
+        default=0,
+        ge=0,
+        lt=RANKS,
+        description="its team's place in the dispatcher's fair order within its band when it was placed "
+        "(0 first): the engine serves a lower rank first among requests of one band",
+    )
     reply: ReplyMode = ReplyMode.STREAM
     reply_topic: str | None = None
     batch: BatchTicket | None = Field(default=None, description="how to answer, for reply mode kafka")
@@ -168,8 +176,13 @@ class InferenceRequest(Message):
         return len(self.prompt_token_ids) if self.resume is None else self.resume.prompt_tokens
 
     @property
-    def engine_priority(self) -> int:
+    def band(self) -> int:
         return engine_priority(self.priority, self.tier)
+
+    @property
+    def engine_priority(self) -> int:
+        """What the engine orders by (lower first): its band, then its team's rank in the fair order."""
+        return self.band * RANKS + self.rank
 
     def start_deadline(self) -> float:
         return self.deadline if self.start_by is None else min(self.start_by, self.deadline)

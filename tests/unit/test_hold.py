@@ -113,3 +113,21 @@ def test_fair_queue_is_the_same_order_over_any_item() -> None:
 def test_team_weights_read_from_team_records() -> None:
     heavy = TeamRecord(team="heavy", weight=4).model_dump_json().encode()
     assert team_weights(["heavy", "none", "broken"], [heavy, None, b"{not json"]) == {"heavy": 4.0}
+
+
+def test_ranks_carry_each_teams_place_in_its_band_into_the_engine() -> None:
+    hold = Hold(100)
+    for i in range(1, 4):
+        hold.add(held(str(i), "flood"))
+    hold.add(held("7", "quiet"))
+    hold.add(held("8", "late", Priority.BATCH))
+    hold.charge("flood", 500)
+    assert hold.ranks() == {(1, "quiet"): 0, (1, "flood"): 1, (3, "late"): 0}
+    first = next(hold.ordered()).request
+    assert (
+        first.model_copy(update={"rank": 0}).engine_priority
+        < held("9", "flood").request.model_copy(update={"rank": 1}).engine_priority
+    )
+    # A band's worst rank still comes before the next band's best.
+    worst = held("5", "x").request.model_copy(update={"rank": 15})
+    assert worst.engine_priority < held("6", "y", tier=Tier.FLEX).request.engine_priority
