@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 from pydantic import ValidationError
 
-from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, RANKS, InferenceRequest, Priority
+from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, InferenceRequest, Priority
 from queue_schemas.quota import TeamRecord
 
 BANDS = (*sorted(ENGINE_PRIORITY.values()), BATCH_ENGINE_PRIORITY)
@@ -89,14 +89,10 @@ class FairQueue(Generic[T]):
         teams = self._queues[band]
         return sorted(teams, key=lambda t: (self._served.get(t, 0.0), teams[t][0][0]))
 
-    def ranks(self) -> dict[tuple[int, str], int]:
-        """Each waiting team's place in its band's order (0 first), capped at RANKS - 1: the request
-        carries it into the engine, so the order also holds among requests queued there."""
-        return {
-            (band, team): min(i, RANKS - 1)
-            for band in BANDS
-            for i, team in enumerate(self._teams_in_order(band))
-        }
+    def tag(self, team: str) -> int:
+        """The team's weighted tokens served so far: a request placed now carries it as its fair tag, so
+        the engine keeps the same order among the requests queued there (start-time fair queueing)."""
+        return int(self._served.get(team, 0.0))
 
     def ordered(self) -> Iterator[T]:
         """Items in the order they should be offered to workers. Lazy: take what a round needs, and
@@ -167,8 +163,8 @@ class Hold:
         """Held requests in the order they should be offered to workers."""
         return self._order.ordered()
 
-    def ranks(self) -> dict[tuple[int, str], int]:
-        return self._order.ranks()
+    def tag(self, team: str) -> int:
+        return self._order.tag(team)
 
     def expired(self, now: float) -> list[Held]:
         return [h for h in self._by_id.values() if now > h.request.start_deadline()]

@@ -220,7 +220,6 @@ class Dispatcher:
             return
         misses = batch_tries = 0
         now = time.time()
-        ranks = self.hold.ranks()
         for held in list(self.hold.ordered()):
             if held.not_before > now:
                 continue
@@ -228,9 +227,9 @@ class Dispatcher:
                 batch_tries += 1
                 if batch_tries > self.settings.batch_per_round:
                     break  # back to receiving, so an interactive request never waits behind a long round
-            rank = ranks.get((held.band, held.request.team), 0)
-            if held.request.rank != rank:
-                held.request = held.request.model_copy(update={"rank": rank})
+            tag = self.hold.tag(held.request.team)  # as it stands now: earlier placements are charged
+            if held.request.fair_tag != tag:
+                held.request = held.request.model_copy(update={"fair_tag": tag})
             placed = await self._try_place(held)
             misses = 0 if placed else misses + 1
             if misses >= self.settings.max_misses_per_round:

@@ -63,8 +63,9 @@ class Inbox:
         log.warning("handed an earlier process's unfinished entries to the dispatchers", entries=left)
         return left
 
-    async def read(self, count: int, block_ms: int) -> list[Entry]:
-        """Up to `count` entries: first our own unacknowledged history, then new ones."""
+    async def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` entries: first our own unacknowledged history, then new ones; `block_ms` None
+        returns at once."""
         try:
             reply = await self._redis.xreadgroup(
                 WORKER_INBOX_GROUP, self._worker_id, {self.key: self._cursor}, count=count, block=block_ms

@@ -19,6 +19,12 @@ class WorkerSettings(BusSettings):
     pool: str = "sim"
     worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[a-z0-9][a-z0-9_\-]*$")
     heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    inbox_lookahead: int = Field(
+        default=64,
+        ge=0,
+        description="inbox entries read beyond the free slots, so a freed slot takes the highest-priority "
+        "(then oldest) of them",
+    )
     heartbeat_ttl_ms: int = Field(default=3_000, gt=0)
     flush_interval_ms: float = Field(default=15.0, ge=0, description="how long token deltas are coalesced")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="how long a draining worker finishes work")

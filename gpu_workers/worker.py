@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +87,11 @@ class Worker:
         self.started_at = process_started_at()
         self.load_seconds: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # Entries read from the inbox and not started yet, in engine-priority order (then arrival): a
+        # slot that frees takes the best of them, not the oldest. They stay unacknowledged in the inbox,
+        # so a dispatcher recovers them with the running ones if this worker is lost.
+        self._ready: list[tuple[int, int, bytes, InferenceRequest]] = []
+        self._arrivals = itertools.count()
         self._hb_seq = 0
         self._beat_soon = asyncio.Event()
         self.inbox = Inbox(redis, self.names, settings.worker_id)
@@ -168,7 +175,8 @@ class Worker:
             await asyncio.wait(list(self._tasks.values()), timeout=2.0)
 
     async def _consume(self, until: Callable[[], bool]) -> None:
-        """Receive: keep up to max_running requests going until `until()` says stop."""
+        """Receive: keep up to max_running requests going until `until()` says stop; read ahead up to
+        `inbox_lookahead` more, and start the best of what was read first."""
         while not until():
             free = self.max_running - len(self._tasks)
             if free <= 0:
@@ -176,15 +184,21 @@ class Worker:
                     list(self._tasks.values()), return_when=asyncio.FIRST_COMPLETED, timeout=0.5
                 )
                 continue
+            room = free + self.settings.inbox_lookahead - len(self._ready)
             try:
-                entries = await self.inbox.read(free, block_ms=200)
+                entries = (
+                    await self.inbox.read(room, block_ms=None if self._ready else 200) if room > 0 else []
+                )
             except RedisError as exc:
                 log.warning("inbox read failed", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
-            self._inbox_seen_empty = not entries
             for entry_id, fields in entries:
                 self._accept(entry_id, fields)
+            self._inbox_seen_empty = not entries and not self._ready
+            for _ in range(min(free, len(self._ready))):
+                _, _, entry_id, request = heapq.heappop(self._ready)
+                self._spawn(request.request_id, self._serve(request, entry_id))
 
     async def _drain(self) -> None:
         """Take no new placements; finish what is running and what was already placed here, until a deadline.
@@ -221,9 +235,11 @@ class Worker:
             log.error("poison inbox entry dropped", entry=entry_id.decode(), reason=str(exc))
             self._spawn(entry_id.decode(), self._ack(entry_id))
             return
-        if request.request_id in self._tasks:
+        if request.request_id in self._tasks or any(
+            r.request_id == request.request_id for *_, r in self._ready
+        ):
             return
-        self._spawn(request.request_id, self._serve(request, entry_id))
+        heapq.heappush(self._ready, (request.engine_priority, next(self._arrivals), entry_id, request))
 
     def _spawn(self, key: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"serve-{key}")
@@ -413,7 +429,7 @@ class Worker:
                 log.info("drain requested" if asked else "drain withdrawn", worker=self.settings.worker_id)
             self.state = state
         # Awaited before the fields are read, so one heartbeat never mixes states from either side of it.
-        inbox_pending = await self.inbox.undelivered()
+        inbox_pending = await self.inbox.undelivered() + len(self._ready)
         self._hb_seq += 1
         hb = heartbeat(
             self.settings, self.model, self.vitals(), self.engine.stats(), inbox_pending,

@@ -46,7 +46,7 @@ class Tier(StrEnum):
 # convention: lower first) follows them, so a request's place is the same before and inside the engine.
 ENGINE_PRIORITY = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 2}
 BATCH_ENGINE_PRIORITY = 3
-RANKS = 16  # places in the fair order carried into the engine within a band
+TAG_SPAN = 2**40  # fair tags (weighted tokens) ordered within one band of engine priority
 
 
 def engine_priority(priority: Priority, tier: Tier) -> int:
@@ -137,12 +137,11 @@ class InferenceRequest(Message):
     sampling: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     tier: Tier = Field(default=Tier.DEFAULT, description="service tier within the interactive class")
-    rank: int = Field(
+    fair_tag: int = Field(
         default=0,
         ge=0,
-        lt=RANKS,
-        description="its team's place in the dispatcher's fair order within its band when it was placed "
-        "(0 first): the engine serves a lower rank first among requests of one band",
+        description="its team's weighted tokens served (the dispatcher's fair order) when it was placed: "
+        "among requests of one band the engine serves the lowest first (start-time fair queueing)",
     )
     reply: ReplyMode = ReplyMode.STREAM
     reply_topic: str | None = None
@@ -181,8 +180,8 @@ class InferenceRequest(Message):
 
     @property
     def engine_priority(self) -> int:
-        """What the engine orders by (lower first): its band, then its team's rank in the fair order."""
-        return self.band * RANKS + self.rank
+        """What the engine orders by (lower first): its band, then its fair tag."""
+        return self.band * TAG_SPAN + min(self.fair_tag, TAG_SPAN - 1)
 
     def start_deadline(self) -> float:
         return self.deadline if self.start_by is None else min(self.start_by, self.deadline)

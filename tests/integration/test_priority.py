@@ -17,6 +17,7 @@ from queue_schemas.messages import (
     FinalChunk,
     Heartbeat,
     InferenceRequest,
+    Priority,
     StreamEvent,
     Tier,
     TokenChunk,
@@ -118,6 +119,34 @@ async def test_tiers_then_teams_by_tokens_served_then_batch(bus: Bus) -> None:
             p.settings.kafka_bootstrap, p.settings.names.results_topic("acme"), 1, 30
         )
         assert [a["response"]["status_code"] for a in answers] == [200]  # batch last, and answered
+
+
+async def test_a_worker_starts_the_best_of_the_requests_queued_in_its_inbox(bus: Bus) -> None:
+    """Placed on a busy one-slot worker in the worst order: it starts them by tier, then by the fair tag
+    the dispatcher gave them, then batch, not first come first served."""
+    async with pipeline(bus, engine=ONE_AT_A_TIME) as p:
+        names = p.settings.names
+        busy = make_request("sim", "busy-0000001", max_tokens=40)
+        queued = [
+            request("batch-000001", "late").model_copy(update={"priority": Priority.BATCH}),
+            request("flex-0000001", "quiet", Tier.FLEX),
+            request("flood-000001", "flood").model_copy(update={"fair_tag": 620}),
+            request("quiet-000001", "quiet").model_copy(update={"fair_tag": 62}),
+            request("urgent-00001", "vip", Tier.PRIORITY),
+        ]
+        ready = asyncio.Event()
+        expected = {r.request_id for r in [busy, *queued]}
+        watching = asyncio.create_task(start_order(p, expected, ready, within_s=30))
+        await ready.wait()
+        for r in [busy, *queued]:  # as the dispatcher's placement script does
+            await p.redis.set(names.placement(r.request_id), p.worker_id, px=60_000)
+            await p.redis.xadd(names.inbox(p.worker_id), {"m": encode(r)})
+            if r is busy:
+                await asyncio.sleep(0.3)  # it holds the one slot
+        order = await watching
+        assert order == [
+            "busy-0000001", "urgent-00001", "quiet-000001", "flood-000001", "flex-0000001", "batch-000001",
+        ]  # fmt: skip
 
 
 async def test_a_team_of_weight_three_gets_three_turns_for_each_of_a_team_of_weight_one(bus: Bus) -> None:

@@ -40,25 +40,30 @@ def test_a_steps_prefill_budget_goes_to_the_waiting_prompts_in_order() -> None:
     assert (a.prefill_left, c.prefill_left) == (1500, 900)  # a plan spends nothing
 
 
-async def tokens(engine: SimulatedEngine, req: InferenceRequest) -> str:
-    return "".join([out.text async for out in engine.generate(req)])
+async def timed(engine: SimulatedEngine, req: InferenceRequest) -> tuple[str, int]:
+    """The text, and the engine step whose end gave its last token (the clock may take one idle step
+    more before the request's end reaches it: that step gives nothing)."""
+    assert engine._clock is not None
+    text, last = "", 0
+    async for out in engine.generate(req):
+        text += out.text
+        last = engine._clock.steps
+    return text, last
 
 
 async def test_one_request_takes_its_prefill_steps_then_a_step_per_token() -> None:
     engine = SimulatedEngine(CONFIG, block_size=16)
-    text = await tokens(engine, request("a", 3000, 5))  # two prefill steps, then four more tokens
+    text, last = await timed(engine, request("a", 3000, 5))  # two prefill steps, then four more tokens
     assert text == reply_text(request("a", 3000, 5))[:5]
-    assert engine._clock is not None
-    assert engine._clock.steps == 2 + 4
+    assert last == 2 + 4
     await engine.close()
 
 
 async def test_concurrent_requests_share_steps() -> None:
     engine = SimulatedEngine(CONFIG, block_size=16)
-    both = await asyncio.gather(tokens(engine, request("a", 1000, 5)), tokens(engine, request("b", 1000, 5)))
-    assert [len(t) for t in both] == [5, 5]
-    assert engine._clock is not None
-    assert engine._clock.steps == 1 + 4  # one step prefills both prompts; each step then decodes both
+    both = await asyncio.gather(timed(engine, request("a", 1000, 5)), timed(engine, request("b", 1000, 5)))
+    assert [len(t) for t, _ in both] == [5, 5]
+    assert [last for _, last in both] == [1 + 4, 1 + 4]  # one step prefills both; each step decodes both
     stats = engine.stats()
     assert (stats.running, stats.kv_blocks_free) == (0, 4096)
     await engine.close()

@@ -115,19 +115,16 @@ def test_team_weights_read_from_team_records() -> None:
     assert team_weights(["heavy", "none", "broken"], [heavy, None, b"{not json"]) == {"heavy": 4.0}
 
 
-def test_ranks_carry_each_teams_place_in_its_band_into_the_engine() -> None:
+def test_fair_tags_order_the_engine_as_the_hold_orders_teams() -> None:
     hold = Hold(100)
-    for i in range(1, 4):
-        hold.add(held(str(i), "flood"))
-    hold.add(held("7", "quiet"))
-    hold.add(held("8", "late", Priority.BATCH))
+    hold.add(held("1", "flood"))
     hold.charge("flood", 500)
-    assert hold.ranks() == {(1, "quiet"): 0, (1, "flood"): 1, (3, "late"): 0}
-    first = next(hold.ordered()).request
-    assert (
-        first.model_copy(update={"rank": 0}).engine_priority
-        < held("9", "flood").request.model_copy(update={"rank": 1}).engine_priority
-    )
-    # A band's worst rank still comes before the next band's best.
-    worst = held("5", "x").request.model_copy(update={"rank": 15})
+    hold.add(held("2", "quiet"))  # level with the least-served active team: 500
+    hold.charge("quiet", 62)
+    assert (hold.tag("flood"), hold.tag("quiet"), hold.tag("new")) == (500, 562, 0)
+    tagged = held("3", "flood").request.model_copy(update={"fair_tag": hold.tag("flood")})
+    later = held("4", "quiet").request.model_copy(update={"fair_tag": hold.tag("quiet")})
+    assert tagged.engine_priority < later.engine_priority
+    # A band's largest tag still comes before the next band's smallest.
+    worst = held("5", "x").request.model_copy(update={"fair_tag": 10**15})
     assert worst.engine_priority < held("6", "y", tier=Tier.FLEX).request.engine_priority
