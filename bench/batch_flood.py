@@ -38,10 +38,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from bench.live import dev_stack
 from bench.pipeline_latency import percentile, run_many
 from bench.vllm_pipeline import ENGINE_CORE, MODELS, pin_all
-from infra.devstack import Endpoints
+from infra.devstack import DevStack, Endpoints
 from infra.models import prepare_smollm2
 from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
+from queue_schemas.signing import load_private_key, sign_record
 
 SIM = """
 [[pools]]
@@ -91,8 +92,9 @@ def summary(label: str, ttfts: list[float]) -> tuple[float, float]:
     return p50, p99
 
 
-async def flood(endpoints: Endpoints, prefix: str, model: str, count: int, max_tokens: int) -> float:
-    """Produce `count` batch submissions; returns the seconds it took."""
+async def flood(stack: DevStack, endpoints: Endpoints, model: str, count: int, max_tokens: int) -> float:
+    """Produce `count` batch submissions, signed with the dev team's key; returns the seconds it took."""
+    signer = load_private_key(stack.signing_key_file.read_text())
     producer = AIOKafkaProducer(bootstrap_servers=endpoints.kafka_bootstrap, linger_ms=5)
     await producer.start()
     t0 = time.perf_counter()
@@ -106,7 +108,9 @@ async def flood(endpoints: Endpoints, prefix: str, model: str, count: int, max_t
                 "messages": [{"role": "user", "content": f"batch item {i}: summarise the queue"}],
             }
             sub = {"v": 1, "request_id": f"flood-{i}", "custom_id": f"f{i}", "team": TEAM, "body": body}
-            sends.append(await producer.send(f"{prefix}.batch.{POOL}", json.dumps(sub).encode()))
+            value = json.dumps(sub).encode()
+            topic = f"{stack.prefix}.batch.{POOL}"
+            sends.append(await producer.send(topic, value, headers=sign_record(signer, value)))
         await asyncio.gather(*sends)
     finally:
         await producer.stop()
@@ -197,7 +201,7 @@ def main() -> None:
         async def flooded() -> tuple[list[float], float, float]:
             stop = asyncio.Event()
             counter = asyncio.create_task(count_answers(endpoints, stack.prefix, counts, stop))
-            producing = asyncio.create_task(flood(endpoints, stack.prefix, model, batch, batch_tokens))
+            producing = asyncio.create_task(flood(stack, endpoints, model, batch, batch_tokens))
             await asyncio.sleep(1.0)  # the dispatcher is taking the flood in
             t0 = time.perf_counter()
             results, _ = await run_many(endpoints, model, streams, requests, args.tokens)
@@ -209,6 +213,8 @@ def main() -> None:
         ttfts, produce_s, phase_s = asyncio.run(flooded())
         _, f99 = summary(f"beside {batch} batch", ttfts)
         answered, ok, tokens = counts
+        if not ok:
+            raise RuntimeError("no batch answer came back: the flood was not served (see the stack's logs)")
         preempted = asyncio.run(preemptions(endpoints, stack.prefix)) - before
         print(f"  p99 ratio {f99 / q99:4.2f}   (target: <= 1.2)")
         print(
