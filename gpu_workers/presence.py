@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,13 @@ class CompletionRate:
         while self._times and now - self._times[0] > self.window_s:
             self._times.popleft()
         return len(self._times) / self.window_s
+
+
+def engine_load(stats: EngineStats, handed: int) -> EngineStats:
+    """The engine's figures with its running count at least what the worker has handed it and it does
+    not report waiting: an engine's statistics trail its step (vLLM's by a step or more), and a request
+    counted neither there nor in the inbox would let a dispatcher place past the worker's slots."""
+    return dataclasses.replace(stats, running=max(stats.running, handed - stats.waiting))
 
 
 def heartbeat(

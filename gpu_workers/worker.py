@@ -29,6 +29,7 @@ from gpu_workers.presence import (
     CompletionRate,
     Vitals,
     beat_forever,
+    engine_load,
     heartbeat,
     leave_pool,
     state_on_drain_request,
@@ -432,8 +433,9 @@ class Worker:
         inbox_pending = await self.inbox.undelivered() + len(self._ready)
         self._hb_seq += 1
         hb = heartbeat(
-            self.settings, self.model, self.vitals(), self.engine.stats(), inbox_pending,
-            seq=self._hb_seq, kv_seq=self.kv.seq, completed_per_s=self.completions.rate(time.monotonic()),
+            self.settings, self.model, self.vitals(), engine_load(self.engine.stats(), len(self._tasks)),
+            inbox_pending, seq=self._hb_seq, kv_seq=self.kv.seq,
+            completed_per_s=self.completions.rate(time.monotonic()),
         )  # fmt: skip
         await publish_heartbeat(self.redis, self.names, hb)
         if self.settings.state_file is not None:

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gpu_workers.engine import EarlyStart, EngineError, EngineOutput
+from gpu_workers.engine import EarlyStart, EngineError, EngineOutput, EngineStats
+from gpu_workers.presence import engine_load
 from gpu_workers.starting import start_refusal
 from queue_schemas.messages import FinishReason, InferenceRequest, SamplingParams
 
@@ -95,3 +96,12 @@ async def test_an_early_start_error_surfaces_when_iterated() -> None:
     pieces = EarlyStart(failing.run())
     with pytest.raises(EngineError, match="prefill failed"):
         await anext(pieces)
+
+
+def test_the_heartbeat_counts_what_the_engine_was_handed_before_its_statistics_show_it() -> None:
+    stats = EngineStats(
+        kv_blocks_total=10, kv_blocks_free=10, block_size=16, running=5, waiting=1, decode_tokens_per_s=0.0
+    )
+    assert engine_load(stats, handed=8).running == 7  # 8 handed, 1 reported waiting
+    assert engine_load(stats, handed=4).running == 5  # the engine's own figure when it is higher
+    assert engine_load(stats, handed=8).waiting == 1
