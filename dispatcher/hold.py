@@ -6,7 +6,7 @@ band, the team that has been served the fewest weighted tokens goes first (a vir
 team's tokens count 1/weight, so one team's flood cannot starve the others, and a team of weight 2 gets
 twice the share of a team of weight 1 while both wait); within a team, arrival order. A team that shows
 up after being idle starts level with the least-served active team, not at zero, so an idle spell does
-not buy it a burst.
+not buy it a burst; on a tie the team with fewer requests waiting goes first.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class FairQueue(Generic[T]):
 
     def _teams_in_order(self, band: int) -> list[str]:
         teams = self._queues[band]
-        return sorted(teams, key=lambda t: (self._served.get(t, 0.0), teams[t][0][0]))
+        # On equal tokens served (a team back from idle starts level), the team with less waiting first.
+        return sorted(teams, key=lambda t: (self._served.get(t, 0.0), len(teams[t]), teams[t][0][0]))
 
     def tag(self, team: str) -> int:
         """The team's weighted tokens served so far: a request placed now carries it as its fair tag, so

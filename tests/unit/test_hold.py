@@ -128,3 +128,12 @@ def test_fair_tags_order_the_engine_as_the_hold_orders_teams() -> None:
     # A band's largest tag still comes before the next band's smallest.
     worst = held("5", "x").request.model_copy(update={"fair_tag": 10**15})
     assert worst.engine_priority < held("6", "y", tier=Tier.FLEX).request.engine_priority
+
+
+def test_on_a_tie_the_team_with_less_waiting_goes_first() -> None:
+    hold = Hold(100)
+    for i in range(1, 5):
+        hold.add(held(str(i), "flood"))
+    hold.charge("flood", 500)
+    hold.add(held("9", "quiet"))  # back from idle: level with flood at 500, one request waiting
+    assert order(hold)[:2] == ["9", "1"]
