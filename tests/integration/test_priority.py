@@ -109,8 +109,8 @@ async def test_tiers_then_teams_by_tokens_served_then_batch(bus: Bus) -> None:
         order = await held_while_draining(p, requests, batch)
         assert order == [
             "urgent-00001",  # the priority tier first
-            "flood-000001",  # default tier: each team's head in turn (flood's arrived first)
-            "quiet-000001",
+            "quiet-000001",  # default tier: each team's head in turn, the team with less waiting first
+            "flood-000001",
             "flood-000002",  # then the rest of the team with the most tokens served
             "flood-000003",
             "flex-0000001",  # the flex tier after every default request

@@ -34,7 +34,7 @@ def test_teams_take_turns_so_a_flood_cannot_starve_others() -> None:
     for i in range(1, 6):
         hold.add(held(str(i), "flood"))
     hold.add(held("9", "quiet"))
-    assert order(hold)[:2] == ["1", "9"]
+    assert order(hold)[:2] == ["9", "1"]  # level at zero: the team with less waiting first
 
 
 def test_least_served_team_goes_first() -> None:
@@ -103,11 +103,11 @@ def test_fair_queue_is_the_same_order_over_any_item() -> None:
     queue: FairQueue[str] = FairQueue()
     for item, band, team in [("b1", 3, "x"), ("x1", 1, "x"), ("x2", 1, "x"), ("y1", 1, "y"), ("p1", 0, "z")]:
         queue.add(item, band, team)
-    assert list(queue.ordered()) == ["p1", "x1", "y1", "x2", "b1"]
-    queue.charge("x", 50)
-    assert list(queue.ordered()) == ["p1", "y1", "x1", "x2", "b1"]
+    assert list(queue.ordered()) == ["p1", "y1", "x1", "x2", "b1"]  # y has less waiting
+    queue.charge("y", 50)
+    assert list(queue.ordered()) == ["p1", "x1", "y1", "x2", "b1"]  # x has been served less
     queue.remove("x1", 1, "x")
-    assert list(queue.ordered()) == ["p1", "y1", "x2", "b1"]
+    assert list(queue.ordered()) == ["p1", "x2", "y1", "b1"]
 
 
 def test_team_weights_read_from_team_records() -> None:
