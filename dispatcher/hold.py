@@ -12,7 +12,7 @@ not buy it a burst; on a tie the team with fewer requests waiting goes first.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -111,6 +111,8 @@ class Hold:
         self.capacity = capacity
         self._order: FairQueue[Held] = FairQueue()
         self._by_id: dict[str, Held] = {}
+        self._sizes: Counter[Priority] = Counter()  # kept as requests come and go: read every round
+        self._by_team: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -127,13 +129,10 @@ class Hold:
         return request_id in self._by_id
 
     def size(self, priority: Priority) -> int:
-        return sum(1 for h in self._by_id.values() if h.request.priority is priority)
+        return self._sizes[priority]
 
     def held_by_team(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for held in self._by_id.values():
-            counts[held.request.team] = counts.get(held.request.team, 0) + 1
-        return counts
+        return {team: n for team, n in self._by_team.items() if n}
 
     def teams(self) -> set[str]:
         return self._order.teams()
@@ -149,12 +148,18 @@ class Hold:
         held.band = held.request.band
         self._order.add(held, held.band, held.request.team)
         self._by_id[rid] = held
+        self._sizes[held.request.priority] += 1
+        self._by_team[held.request.team] += 1
         return True
 
     def remove(self, request_id: str) -> Held | None:
         held = self._by_id.pop(request_id, None)
         if held is not None:
             self._order.remove(held, held.band, held.request.team)
+            self._sizes[held.request.priority] -= 1
+            self._by_team[held.request.team] -= 1
+            if not self._by_team[held.request.team]:
+                del self._by_team[held.request.team]
         return held
 
     def charge(self, team: str, tokens: int) -> None:

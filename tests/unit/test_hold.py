@@ -67,6 +67,7 @@ def test_duplicates_capacity_removal_and_expiry() -> None:
     assert hold.remove("req-00000001") is None
     assert len(hold) == 1
     assert hold.size(Priority.INTERACTIVE) == 1
+    assert hold.held_by_team() == {"b": 1}
     assert [h.offset for h in hold.from_partitions({("t", 0)})] == [2]
     assert hold.from_partitions({("u", 0)}) == []
 
