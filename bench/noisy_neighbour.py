@@ -150,15 +150,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2.5, help="requests/s of B and of C; A sends 10x")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     parser.add_argument("--depths", nargs="+", choices=["fixed", "derived"], default=["fixed", "derived"])
+    parser.add_argument(
+        "--dispatchers", type=int, default=2, help="dispatchers of the pool (each its own hold)"
+    )
     args = parser.parse_args()
     print(
         f"B and C at {args.rate:g} req/s each, A at {10 * args.rate:g}; {TOKENS}-token replies; "
         f"2 workers x 8 slots (batched steps); {args.seconds:g} s per phase"
     )
     for depth in args.depths:
-        with dev_stack(CONFIG, extra_env={"SLUICE_QUEUE_DEPTH": depth}) as (stack, endpoints):
+        env = {"SLUICE_QUEUE_DEPTH": depth}
+        with dev_stack(CONFIG, extra_env=env, dispatchers=args.dispatchers) as (stack, endpoints):
             runs = asyncio.run(phases(endpoints, stack.prefix, args.rate, args.seconds))
-        print(f"\nworker queue depth: {depth}")
+        print(f"\nworker queue depth: {depth}; {args.dispatchers} dispatcher(s)")
         print(" B and C alone:")
         for team, run in zip(("team-b", "team-c"), runs["alone"], strict=True):
             print(line(team, run))
