@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from gpu_workers.engine import EngineStats
 from gpu_workers.inbox import Inbox
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.starting import FAILED_HEARTBEAT_TTL_MS
-from queue_schemas.messages import Heartbeat, WorkerState
+from queue_schemas.messages import Heartbeat, InferenceRequest, WorkerState
 
 log = structlog.get_logger("sluice.worker")
 
@@ -56,6 +56,31 @@ class CompletionRate:
         while self._times and now - self._times[0] > self.window_s:
             self._times.popleft()
         return len(self._times) / self.window_s
+
+
+@dataclass(frozen=True)
+class Ready:
+    """An inbox entry read and not started yet."""
+
+    request: InferenceRequest
+    entry_id: bytes
+    arrival: int  # the order it was read in
+
+
+def next_to_start(ready: Sequence[Ready], running_by_team: Mapping[str, int]) -> int:
+    """Which of the ready entries a free slot takes (its index; `ready` is not empty): the lowest band
+    (interactive tiers, then batch); within it, the team with the fewest requests running on this
+    worker, so a team that holds its slots does not also take the next one from a team that holds none;
+    then the lowest fair tag (the dispatcher's order), then the order read. Pure."""
+    return min(
+        range(len(ready)),
+        key=lambda i: (
+            ready[i].request.band,
+            running_by_team.get(ready[i].request.team, 0),
+            ready[i].request.fair_tag,
+            ready[i].arrival,
+        ),
+    )
 
 
 def engine_load(stats: EngineStats, handed: int) -> EngineStats:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +27,13 @@ from gpu_workers.metrics import TEAM_TOKENS
 from gpu_workers.output import Moved, RequestOutput
 from gpu_workers.presence import (
     CompletionRate,
+    Ready,
     Vitals,
     beat_forever,
     engine_load,
     heartbeat,
     leave_pool,
+    next_to_start,
     state_on_drain_request,
     write_state_file,
 )
@@ -88,11 +90,13 @@ class Worker:
         self.started_at = process_started_at()
         self.load_seconds: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        # Entries read from the inbox and not started yet, in engine-priority order (then arrival): a
-        # slot that frees takes the best of them, not the oldest. They stay unacknowledged in the inbox,
-        # so a dispatcher recovers them with the running ones if this worker is lost.
-        self._ready: list[tuple[int, int, bytes, InferenceRequest]] = []
+        # Entries read from the inbox and not started yet: a slot that frees takes the best of them
+        # (`next_to_start`), not the oldest. They stay unacknowledged in the inbox, so a dispatcher
+        # recovers them with the running ones if this worker is lost.
+        self._ready: list[Ready] = []
         self._arrivals = itertools.count()
+        self._team_of: dict[str, str] = {}  # request id -> team, of the requests running here
+        self._running_by_team: Counter[str] = Counter()
         self._hb_seq = 0
         self._beat_soon = asyncio.Event()
         self.inbox = Inbox(redis, self.names, settings.worker_id)
@@ -198,8 +202,8 @@ class Worker:
                 self._accept(entry_id, fields)
             self._inbox_seen_empty = not entries and not self._ready
             for _ in range(min(free, len(self._ready))):
-                _, _, entry_id, request = heapq.heappop(self._ready)
-                self._spawn(request.request_id, self._serve(request, entry_id))
+                chosen = self._ready.pop(next_to_start(self._ready, self._running_by_team))
+                self._start(chosen.request, chosen.entry_id)
 
     async def _drain(self) -> None:
         """Take no new placements; finish what is running and what was already placed here, until a deadline.
@@ -236,11 +240,15 @@ class Worker:
             log.error("poison inbox entry dropped", entry=entry_id.decode(), reason=str(exc))
             self._spawn(entry_id.decode(), self._ack(entry_id))
             return
-        if request.request_id in self._tasks or any(
-            r.request_id == request.request_id for *_, r in self._ready
-        ):
+        rid = request.request_id
+        if rid in self._tasks or any(r.request.request_id == rid for r in self._ready):
             return
-        heapq.heappush(self._ready, (request.engine_priority, next(self._arrivals), entry_id, request))
+        self._ready.append(Ready(request, entry_id, next(self._arrivals)))
+
+    def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
+        self._team_of[request.request_id] = request.team
+        self._running_by_team[request.team] += 1
+        self._spawn(request.request_id, self._serve(request, entry_id))
 
     def _spawn(self, key: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"serve-{key}")
@@ -249,6 +257,11 @@ class Worker:
 
     def _ended(self, key: str) -> None:
         self._tasks.pop(key, None)
+        team = self._team_of.pop(key, None)
+        if team is not None:
+            self._running_by_team[team] -= 1
+            if not self._running_by_team[team]:
+                del self._running_by_team[team]
         self._beat_soon.set()
 
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:

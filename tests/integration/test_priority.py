@@ -84,8 +84,8 @@ async def held_while_draining(p: Pipeline, requests: list[InferenceRequest], bat
     expected = {r.request_id for r in requests}
     watching = asyncio.create_task(start_order(p, expected, ready, within_s=60))
     await ready.wait()
-    for r in requests:
-        await p.producer.send_and_wait(names.requests_topic("sim"), encode(r), key=r.request_id.encode())
+    for r in requests:  # keyed by team: one partition each, so each team's requests arrive in order
+        await p.producer.send_and_wait(names.requests_topic("sim"), encode(r), key=r.team.encode())
     if batch:
         signer = await register_signer(p.redis, names, "acme")
         await produce(p.settings, [(names.batch_topic("sim"), b) for b in batch], signer)

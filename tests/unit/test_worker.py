@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gpu_workers.engine import EarlyStart, EngineError, EngineOutput, EngineStats
-from gpu_workers.presence import engine_load
+from gpu_workers.presence import Ready, engine_load, next_to_start
 from gpu_workers.starting import start_refusal
-from queue_schemas.messages import FinishReason, InferenceRequest, SamplingParams
+from queue_schemas.messages import FinishReason, InferenceRequest, Priority, SamplingParams
 
 
 def request(**fields: object) -> InferenceRequest:
@@ -105,3 +105,26 @@ def test_the_heartbeat_counts_what_the_engine_was_handed_before_its_statistics_s
     assert engine_load(stats, handed=8).running == 7  # 8 handed, 1 reported waiting
     assert engine_load(stats, handed=4).running == 5  # the engine's own figure when it is higher
     assert engine_load(stats, handed=8).waiting == 1
+
+
+def ready(rid: str, team: str, priority: Priority = Priority.INTERACTIVE, tag: int = 0, at: int = 0) -> Ready:
+    request = InferenceRequest(
+        request_id=rid * 8, pool="p", model="m", team=team, prompt_token_ids=(1,),
+        sampling=SamplingParams(max_tokens=1), priority=priority, fair_tag=tag, created_at=0.0, deadline=1.0,
+    )  # fmt: skip
+    return Ready(request, b"0-1", at)
+
+
+def test_a_free_slot_takes_the_band_then_the_team_with_least_running_here_then_the_fair_tag() -> None:
+    queued = [
+        ready("b", "late", Priority.BATCH, at=0),
+        ready("a", "flood", tag=100, at=1),
+        ready("q", "quiet", tag=900, at=2),
+        ready("c", "flood", tag=50, at=3),
+    ]
+    # flood holds 7 of this worker's slots, quiet none: quiet's request first, whatever the tags.
+    assert queued[next_to_start(queued, {"flood": 7})].request.team == "quiet"
+    # Nobody running here: the lowest fair tag, then the order read.
+    assert queued[next_to_start(queued, {})].request.request_id == "c" * 8
+    # Batch only when no interactive request is ready.
+    assert next_to_start([queued[0]], {}) == 0
