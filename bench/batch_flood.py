@@ -37,7 +37,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.live import dev_stack
 from bench.pipeline_latency import percentile, run_many
-from bench.vllm_pipeline import ENGINE_CORE, MODELS, pin_all
+from bench.vllm_pipeline import ENGINE_CORE, MODEL, MODELS, pin_all
 from infra.devstack import DevStack, Endpoints
 from infra.models import prepare_smollm2
 from queue_schemas.messages import Heartbeat
@@ -60,7 +60,6 @@ scheduling = "{scheduling}"
 min_replicas = 2
 max_replicas = 2
 """
-VLLM_MODEL = "smollm2-135m-instruct"
 VLLM = """
 [[pools]]
 name = "flood"
@@ -178,8 +177,8 @@ def main() -> None:
     env = {} if args.headroom is None else {"SLUICE_BATCH_HEADROOM_FRACTION": str(args.headroom)}
     if vllm:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        source = prepare_smollm2(MODELS / VLLM_MODEL, MODELS / "downloads").resolve()
-        config, model = VLLM.format(model=VLLM_MODEL, source=source, scheduling=args.scheduling), VLLM_MODEL
+        source = prepare_smollm2(MODELS / MODEL, MODELS / "downloads").resolve()
+        config, model = VLLM.format(model=MODEL, source=source, scheduling=args.scheduling), MODEL
         if args.pin:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)
     else:

@@ -31,8 +31,8 @@ async def team_limits(redis: aioredis.Redis, names: Names, team: str) -> TeamLim
 
 async def set_team_weight(redis: aioredis.Redis, names: Names, team: str, weight: float) -> None:
     """Set the team's share in the dispatchers' fair order (they re-read it within seconds)."""
-    record = (await team_record(redis, names, team)).model_copy(update={"weight": weight})
-    TeamRecord.model_validate(record.model_dump())  # model_copy does not validate; the bounds still apply
+    current = await team_record(redis, names, team)
+    record = TeamRecord.model_validate({**current.model_dump(), "weight": weight})  # the bounds apply
     await redis.set(names.team(team), record.model_dump_json())
 
 

@@ -34,9 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gpu_workers.prefix_cache import PrefixCache
+from gpu_workers.presence import CompletionRate
 from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, Tier
 
-RATE_WINDOW_S = 10.0  # the worker's heartbeat reports requests finished per second over this window
 EPS = 1e-6  # in tokens and steps; the counters grow large, so an absolute 1e-9 is below float precision
 
 
@@ -126,7 +126,7 @@ class Replica:
     running_blocks: int = 0
     version: int = 0
     completed: int = 0
-    finished_at: deque[float] = field(default_factory=deque)  # finish times within RATE_WINDOW_S
+    completions: CompletionRate = field(default_factory=CompletionRate)  # as a worker's heartbeat counts
     waiting_tokens: int = 0  # prompt tokens of the requests in `waiting`
     preemptions: int = 0
     _unscheduled: tuple[int, int] = (-1, 0)  # (version, prompts beyond this step's prefill budget)
@@ -170,10 +170,8 @@ class Replica:
 
     @property
     def completed_per_s(self) -> float:
-        """Requests finished per second over the last RATE_WINDOW_S, as a worker's heartbeat reports it."""
-        while self.finished_at and self.now - self.finished_at[0] > RATE_WINDOW_S:
-            self.finished_at.popleft()
-        return len(self.finished_at) / RATE_WINDOW_S
+        """Requests finished per second recently, as a worker's heartbeat reports it."""
+        return self.completions.rate(self.now)
 
     @property
     def cache_size(self) -> int:
@@ -367,5 +365,5 @@ class Replica:
         self.own_used -= seq.own_blocks
         self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
         self.completed += 1
-        self.finished_at.append(now)
+        self.completions.record(now)
         return seq.request

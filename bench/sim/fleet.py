@@ -26,6 +26,7 @@ from bench.sim.metrics import Stats
 from bench.sim.routers import Router
 from bench.sim.views import Mode, ReplicaView, Snapshot
 from dispatcher.hold import FairQueue
+from gpu_workers.presence import CompletionRate
 
 
 @dataclass
@@ -165,7 +166,7 @@ class Fleet:
         self._last_t = 0.0
         self.timeline: list[tuple[float, int, int, int]] = []
         self.hold_peak = 0
-        self._completions: dict[int, deque[float]] = {}
+        self._completions: dict[int, CompletionRate] = {}  # what the scaler reads, by replica
         self._ttft_sum, self._ttft_count = 0.0, 0
 
     # heap
@@ -213,7 +214,7 @@ class Fleet:
                     self._ttft_count += 1
                     if self.sink is not None:
                         self.sink.append(request)
-                    self._completions.setdefault(replica.index, deque()).append(t)
+                    self._completions.setdefault(replica.index, CompletionRate()).record(t)
                 self._post(replica)
                 if replica.draining and replica.in_system == 0:
                     self._retire(replica, by_index)
@@ -281,12 +282,7 @@ class Fleet:
     def _scale(self, t: float, by_index: dict[int, Replica]) -> None:
         assert self.scaler is not None
         ready = [r for r in self.live if not r.draining]
-        recent: dict[int, float] = {}
-        for r in ready:
-            times = self._completions.setdefault(r.index, deque())
-            while times and t - times[0] > 10.0:
-                times.popleft()
-            recent[r.index] = len(times) / 10.0
+        recent = {r.index: self._completions.setdefault(r.index, CompletionRate()).rate(t) for r in ready}
         draining = sum(1 for r in self.live if r.draining)
         held = len(self.hold)
         backlog = held + sum(r.queue for r in ready)
