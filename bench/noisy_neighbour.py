@@ -9,8 +9,9 @@ Phase 1: B and C alone, each at `--rate` requests per second. Phase 2: the same 
 ten times that rate beside it, more than the pool can serve. Printed per team: requests answered (A's
 backlog drains after the phase), and p50/p90/p99 TTFT (A's includes its wait in the hold).
 
-The stack runs twice: the worker queue depth fixed at the cap (`max_queue` 64, as before) and derived
-from each worker's completion rate (the default), so the difference is the depth alone.
+The stack runs once per worker queue depth (fixed at the cap, `max_queue` 64, as before; and derived
+from each worker's completion rate, the default) and per number of light slots a worker keeps for
+interactive requests of teams under their share of it (`--light-slots`, 1 by default; 0 for none).
 
 Run: `.venv/bin/python -m bench.noisy_neighbour [--rate 2.5 --seconds 60]` (the defaults).
 """
@@ -39,6 +40,7 @@ name = "shared"
 model = "sluice-sim"
 max_queued = 100000
 queue_timeout_s = 120
+light_slots = {light}
 
 [pools.simulated]
 timing = "batched"
@@ -151,6 +153,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     parser.add_argument("--depths", nargs="+", choices=["fixed", "derived"], default=["fixed", "derived"])
     parser.add_argument(
+        "--light-slots", nargs="+", type=int, default=[1], help="light slots per worker (0: none)"
+    )
+    parser.add_argument(
         "--dispatchers", type=int, default=2, help="dispatchers of the pool (each its own hold)"
     )
     args = parser.parse_args()
@@ -159,21 +164,26 @@ def main() -> None:
         f"2 workers x 8 slots (batched steps); {args.seconds:g} s per phase"
     )
     for depth in args.depths:
-        env = {"SLUICE_QUEUE_DEPTH": depth}
-        with dev_stack(CONFIG, extra_env=env, dispatchers=args.dispatchers) as (stack, endpoints):
-            runs = asyncio.run(phases(endpoints, stack.prefix, args.rate, args.seconds))
-        print(f"\nworker queue depth: {depth}; {args.dispatchers} dispatcher(s)")
-        print(" B and C alone:")
-        for team, run in zip(("team-b", "team-c"), runs["alone"], strict=True):
-            print(line(team, run))
-        print(" with A at 10x:")
-        for team, run in zip(TEAMS, runs["beside"], strict=True):
-            print(line(team, run))
-        for i, team in enumerate(("team-b", "team-c")):
-            a = percentile([t * 1000 for t in runs["alone"][i].ttfts], 0.99)
-            b = percentile([t * 1000 for t in runs["beside"][i + 1].ttfts], 0.99)
-            print(f"  {team} p99 beside A / alone: {b / a:4.2f}   (target: <= 1.5)")
+        for light in args.light_slots:
+            report(depth, light, args)
 
+
+def report(depth: str, light: int, args: argparse.Namespace) -> None:
+    env = {"SLUICE_QUEUE_DEPTH": depth}
+    config = CONFIG.format(light=light)
+    with dev_stack(config, extra_env=env, dispatchers=args.dispatchers) as (stack, endpoints):
+        runs = asyncio.run(phases(endpoints, stack.prefix, args.rate, args.seconds))
+    print(f"\nworker queue depth: {depth}; light slots {light}; {args.dispatchers} dispatcher(s)")
+    print(" B and C alone:")
+    for team, run in zip(("team-b", "team-c"), runs["alone"], strict=True):
+        print(line(team, run))
+    print(" with A at 10x:")
+    for team, run in zip(TEAMS, runs["beside"], strict=True):
+        print(line(team, run))
+    for i, team in enumerate(("team-b", "team-c")):
+        a = percentile([t * 1000 for t in runs["alone"][i].ttfts], 0.99)
+        b = percentile([t * 1000 for t in runs["beside"][i + 1].ttfts], 0.99)
+        print(f"  {team} p99 beside A / alone: {b / a:4.2f}   (target: <= 1.5)")
 
 if __name__ == "__main__":
     main()

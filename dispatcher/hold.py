@@ -131,6 +131,9 @@ class Hold:
     def size(self, priority: Priority) -> int:
         return self._sizes[priority]
 
+    def held_of(self, team: str) -> int:
+        return self._by_team[team]
+
     def held_by_team(self) -> dict[str, int]:
         return {team: n for team, n in self._by_team.items() if n}
 

@@ -53,6 +53,9 @@ class Demand:
     max_tokens: int
     priority: Priority = Priority.INTERACTIVE
     waited_s: float = 0.0  # how long it has been held
+    # Its team has nothing else waiting in the hold: it may go past a worker's queue depth by the
+    # worker's light slots, which start an interactive request of a team under its share at once.
+    light: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +126,15 @@ def queue_depth(heartbeat: Heartbeat, policy: PlacementPolicy) -> int:
     return max(1, min(policy.max_queue, max(policy.min_queue, derived)))
 
 
-def queue_full(worker: WorkerSnapshot, policy: PlacementPolicy) -> bool:
-    """Whether as much waits at the worker as its depth allows. With a derived depth, what waits is its
-    load beyond its running slots (placements its last heartbeat does not show yet count). A queue that
+def queue_full(worker: WorkerSnapshot, policy: PlacementPolicy, light: bool = False) -> bool:
+    """Whether as much waits at the worker as its depth allows (for a light request, its depth plus its
+    light slots). With a derived depth, what waits is its load beyond its running slots (placements its
+    last heartbeat does not show yet count). A queue that
     forms inside the engine with slots free (short of KV blocks) is bounded by `max_queue` only: an
     interactive request goes ahead of the batch requests waiting there (engine priority), and a batch
     request is not sent to a worker without KV headroom in the first place."""
     hb = worker.heartbeat
-    depth = queue_depth(hb, policy)
+    depth = queue_depth(hb, policy) + (hb.light_slots if light else 0)
     if policy.queue_depth == "fixed" or hb.max_running <= 0:
         return worker.queue >= depth
     return worker.load - hb.max_running >= depth or worker.queue >= policy.max_queue
@@ -140,7 +144,7 @@ def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: Placem
     """Why the worker cannot take the request now, or None if it can."""
     if not is_eligible(worker, now):
         return "not ready or stale"
-    if queue_full(worker, policy):
+    if queue_full(worker, policy, demand.light):
         return "queue full"
     needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
     after = headroom_after(worker, needed)

@@ -251,6 +251,7 @@ class Dispatcher:
             request.sampling.max_tokens,
             request.priority,
             waited,
+            light=request.priority is Priority.INTERACTIVE and self.hold.held_of(request.team) <= 1,
         )
         t0 = time.perf_counter()
         if self.settings.placement == "scored":

@@ -31,6 +31,7 @@ COLUMNS = (
     "blocks",
     "slots",
     "completed",
+    "light",
 )
 
 
@@ -66,6 +67,7 @@ class WorkerTable:
             "blocks": in_flight_blocks,
             "slots": hb.max_running,
             "completed": hb.completed_per_s,
+            "light": hb.light_slots,
         }
         for c, v in values.items():
             self._cols[c][i] = v
@@ -90,12 +92,15 @@ class WorkerTable:
         self.ids.pop()
 
 
-def queues_full(table: WorkerTable, queue: Floats, policy: PlacementPolicy) -> npt.NDArray[np.bool_]:
+def queues_full(
+    table: WorkerTable, queue: Floats, policy: PlacementPolicy, light: bool = False
+) -> npt.NDArray[np.bool_]:
     """`placement.queue_full` for every row."""
+    extra = table.col("light") if light else 0.0
     if policy.queue_depth == "fixed":
-        return queue >= policy.max_queue
+        return queue >= policy.max_queue + extra
     derived = np.ceil(table.col("completed") * policy.refill_s)
-    depth = np.maximum(1.0, np.minimum(policy.max_queue, np.maximum(policy.min_queue, derived)))
+    depth = np.maximum(1.0, np.minimum(policy.max_queue, np.maximum(policy.min_queue, derived))) + extra
     slots = table.col("slots")
     beyond = (table.col("running") + queue - slots >= depth) | (queue >= policy.max_queue)
     return np.where(slots > 0, beyond, queue >= depth)
@@ -121,7 +126,7 @@ def choose_fast(
     queue = table.col("queue_base") + table.col("in_flight")
 
     stale = (table.col("ready") == 0) | (now > table.col("fresh_until"))
-    full = ~stale & queues_full(table, queue, policy)
+    full = ~stale & queues_full(table, queue, policy, demand.light)
     no_kv = ~stale & ~full & (after < policy.kv_reserve_fraction)
     no_batch = ~stale & ~full & ~no_kv
     if demand.priority is Priority.BATCH:

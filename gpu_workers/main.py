@@ -19,7 +19,8 @@ from queue_schemas.model_store import ModelStore
 
 def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:
     if pool.engine == "simulated":
-        return SimulatedEngine(pool.simulated, pool.block_size)
+        config = pool.simulated.model_copy(update={"max_running": pool.engine_slots})
+        return SimulatedEngine(config, pool.block_size)
     from gpu_workers.vllm_engine import VllmEngine
 
     return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding)
@@ -37,7 +38,9 @@ async def serve(settings: WorkerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    worker = Worker(settings, build_engine(pool, settings), redis, pool.model, pool.max_running)
+    worker = Worker(
+        settings, build_engine(pool, settings), redis, pool.model, pool.max_running, pool.light_slots
+    )
     worker.tensor_parallel_size = pool.tensor_parallel_size
     try:
         return await worker.run(stop)

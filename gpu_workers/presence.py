@@ -22,7 +22,7 @@ from gpu_workers.engine import EngineStats
 from gpu_workers.inbox import Inbox
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.starting import FAILED_HEARTBEAT_TTL_MS
-from queue_schemas.messages import Heartbeat, InferenceRequest, WorkerState
+from queue_schemas.messages import Heartbeat, InferenceRequest, Priority, WorkerState
 
 log = structlog.get_logger("sluice.worker")
 
@@ -40,6 +40,7 @@ class Vitals:
     error: str | None
     max_running: int
     tensor_parallel_size: int
+    light_slots: int = 0
 
 
 class CompletionRate:
@@ -83,6 +84,27 @@ def next_to_start(ready: Sequence[Ready], running_by_team: Mapping[str, int]) ->
     )
 
 
+def under_share(team: str, running_by_team: Mapping[str, int], slots: int) -> bool:
+    """Whether a team runs fewer than an equal share of the worker's slots among the teams running on
+    it, itself counted. Pure."""
+    teams = len(running_by_team) + (team not in running_by_team)
+    return running_by_team.get(team, 0) * teams < slots
+
+
+def next_light(ready: Sequence[Ready], running_by_team: Mapping[str, int], slots: int) -> int | None:
+    """Which ready entry a light slot takes, if any: an interactive one whose team is under its share of
+    the worker's `slots` (the best of those by `next_to_start`'s order), so a team that holds few slots
+    starts at once beside a team that fills them. Pure."""
+    eligible = [
+        i
+        for i, r in enumerate(ready)
+        if r.request.priority is Priority.INTERACTIVE and under_share(r.request.team, running_by_team, slots)
+    ]
+    if not eligible:
+        return None
+    return eligible[next_to_start([ready[i] for i in eligible], running_by_team)]
+
+
 def engine_load(stats: EngineStats, handed: int) -> EngineStats:
     """The engine's figures with its running count at least what the worker has handed it and it does
     not report waiting: an engine's statistics trail its step (vLLM's by a step or more), and a request
@@ -117,6 +139,7 @@ def heartbeat(
         waiting=stats.waiting,
         inbox_pending=inbox_pending,
         max_running=vitals.max_running,
+        light_slots=vitals.light_slots,
         decode_tokens_per_s=stats.decode_tokens_per_s,
         started_at=vitals.started_at,
         load_seconds=vitals.load_seconds,

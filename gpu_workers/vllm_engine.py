@@ -69,7 +69,7 @@ def engine_arguments(
         "enable_prefix_caching": True,
         "block_size": pool.block_size,
         "max_model_len": pool.context_tokens,
-        "max_num_seqs": config.max_num_seqs,
+        "max_num_seqs": pool.engine_slots,
         "scheduling_policy": config.scheduling_policy,
         "enforce_eager": config.enforce_eager,
         "kv_cache_memory_bytes": int(config.kv_cache_gib * (1 << 30)),

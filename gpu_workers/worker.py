@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EarlyStart, Engine, EngineError
-from gpu_workers.inbox import Inbox
+from gpu_workers.inbox import Entry, Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.metrics import TEAM_TOKENS
 from gpu_workers.output import Moved, RequestOutput
@@ -33,6 +33,7 @@ from gpu_workers.presence import (
     engine_load,
     heartbeat,
     leave_pool,
+    next_light,
     next_to_start,
     state_on_drain_request,
     write_state_file,
@@ -78,6 +79,7 @@ class Worker:
         redis: aioredis.Redis,
         model: str,
         max_running: int,
+        light_slots: int = 0,
     ) -> None:
         self.settings = settings
         self.names = settings.names
@@ -86,6 +88,7 @@ class Worker:
         self.publisher = PipelinedPublisher(redis, CHUNK_SCRIPT)
         self.model = model
         self.max_running = max_running
+        self.light_slots = light_slots  # the engine runs max_running + light_slots (see next_light)
         self.state = WorkerState.STARTING
         self.started_at = process_started_at()
         self.load_seconds: float | None = None
@@ -180,30 +183,60 @@ class Worker:
             await asyncio.wait(list(self._tasks.values()), timeout=2.0)
 
     async def _consume(self, until: Callable[[], bool]) -> None:
-        """Receive: keep up to max_running requests going until `until()` says stop; read ahead up to
-        `inbox_lookahead` more, and start the best of what was read first."""
-        while not until():
-            free = self.max_running - len(self._tasks)
-            if free <= 0:
-                await asyncio.wait(
-                    list(self._tasks.values()), return_when=asyncio.FIRST_COMPLETED, timeout=0.5
-                )
-                continue
-            room = free + self.settings.inbox_lookahead - len(self._ready)
-            try:
-                entries = (
-                    await self.inbox.read(room, block_ms=None if self._ready else 200) if room > 0 else []
-                )
-            except RedisError as exc:
-                log.warning("inbox read failed", error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for entry_id, fields in entries:
-                self._accept(entry_id, fields)
-            self._inbox_seen_empty = not entries and not self._ready
-            for _ in range(min(free, len(self._ready))):
-                chosen = self._ready.pop(next_to_start(self._ready, self._running_by_team))
-                self._start(chosen.request, chosen.entry_id)
+        """Receive: keep up to max_running requests going until `until()` says stop, and the light slots
+        for teams under their share; read ahead up to `inbox_lookahead` entries, and start the best of
+        what was read first. One inbox read is outstanding at a time and is never cancelled (entries it
+        returns are ours to start or leave unacknowledged); a request that ends wakes the loop at once."""
+        reader: asyncio.Task[list[Entry]] | None = None
+        try:
+            while not until():
+                self._start_ready()
+                room = self.max_running + self.settings.inbox_lookahead - len(self._tasks) - len(self._ready)
+                if reader is None and room > 0:
+                    reader = asyncio.create_task(self.inbox.read(room, block_ms=200), name="inbox-read")
+                waiting: set[asyncio.Future[Any]] = set(self._tasks.values())
+                if reader is not None:
+                    waiting.add(reader)
+                if not waiting:  # no room to read ahead and nothing running: cannot happen with slots
+                    await asyncio.sleep(0.05)
+                    continue
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+                if reader is not None and reader.done():
+                    await self._take(reader)
+                    reader = None
+        finally:
+            if reader is not None:
+                await asyncio.wait({reader}, timeout=1.0)
+                if reader.done():
+                    await self._take(reader)
+                else:
+                    reader.cancel()  # shutdown: unacknowledged entries stay for a dispatcher to move
+
+    async def _take(self, reader: asyncio.Task[list[Entry]]) -> None:
+        try:
+            entries = reader.result()
+        except RedisError as exc:
+            log.warning("inbox read failed", error=str(exc))
+            await asyncio.sleep(0.5)
+            return
+        for entry_id, fields in entries:
+            self._accept(entry_id, fields)
+        self._inbox_seen_empty = not entries and not self._ready
+
+    def _start_ready(self) -> None:
+        """Fill free slots from the ready entries: a stated slot takes the best of them
+        (`next_to_start`), a light slot only an interactive entry of a team under its share (`next_light`)."""
+        while self._ready:
+            if len(self._tasks) < self.max_running:
+                chosen: int | None = next_to_start(self._ready, self._running_by_team)
+            elif len(self._tasks) < self.max_running + self.light_slots:
+                chosen = next_light(self._ready, self._running_by_team, self.max_running)
+            else:
+                chosen = None
+            if chosen is None:
+                return
+            ready = self._ready.pop(chosen)
+            self._start(ready.request, ready.entry_id)
 
     async def _drain(self) -> None:
         """Take no new placements; finish what is running and what was already placed here, until a deadline.
@@ -457,7 +490,7 @@ class Worker:
     def vitals(self) -> Vitals:
         return Vitals(
             self.state, self.started_at, self.load_seconds, self.ready_at, self.error,
-            self.max_running, self.tensor_parallel_size,
+            self.max_running, self.tensor_parallel_size, self.light_slots,
         )  # fmt: skip
 
     async def _publish_heartbeat_quietly(self) -> None:

@@ -142,6 +142,13 @@ class PoolConfig(BaseModel):
         description="admission refuses new requests while the lag (held ones included) reaches this",
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
+    light_slots: int = Field(
+        default=1,
+        ge=0,
+        description="running slots each worker keeps beyond its engine's stated slots for interactive "
+        "requests of teams running less than an equal share of that worker, so a light team does not "
+        "wait for a heavy one's request to finish; the engine is sized for both",
+    )
     max_migrations: int = Field(
         default=3,
         ge=0,
@@ -181,6 +188,11 @@ class PoolConfig(BaseModel):
             if self.vllm is not None and self.engine == "vllm"
             else self.simulated.max_running
         )
+
+    @property
+    def engine_slots(self) -> int:
+        """Sequences the engine is built to run at once: the stated slots and the light ones."""
+        return self.max_running + self.light_slots
 
 
 class SluiceConfig(BaseModel):

@@ -254,6 +254,12 @@ class Heartbeat(Message):
     waiting: int = Field(ge=0)
     inbox_pending: int = Field(ge=0)
     max_running: int = Field(default=0, ge=0, description="requests it runs at once; 0 if not stated")
+    light_slots: int = Field(
+        default=0,
+        ge=0,
+        description="running slots beyond max_running that only an interactive request of a team under "
+        "its share of this worker may take",
+    )
     decode_tokens_per_s: float = Field(ge=0.0)
     tensor_parallel_size: int = Field(default=1, gt=0)
     spec_decoding: bool = False

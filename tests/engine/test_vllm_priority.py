@@ -24,7 +24,8 @@ PROMPT = [(i * 11) % 300 + 3 for i in range(40)]
 async def one_slot(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmEngine]:
     """An engine that runs one request at a time, so the order of the others is the scheduler's."""
     pool = tiny_pool(str(tiny_llama))
-    pool = pool.model_copy(update={"vllm": pool.vllm.model_copy(update={"max_num_seqs": 1})})  # type: ignore[union-attr]
+    one = pool.vllm.model_copy(update={"max_num_seqs": 1})  # type: ignore[union-attr]
+    pool = pool.model_copy(update={"vllm": one, "light_slots": 0})
     e = VllmEngine(pool, ModelStore(tmp_path_factory.mktemp("cache")), spec_decoding=False)
     await e.start()
     yield e

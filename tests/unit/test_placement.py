@@ -37,12 +37,13 @@ def beat(
     age: float = 0.1,
     max_running: int = 0,
     completed_per_s: float = 0.0,
+    light_slots: int = 0,
 ) -> Heartbeat:
     return Heartbeat(
         worker_id=worker_id, pool="sim", model="m", state=state, seq=1, sent_at=NOW - age, ttl_ms=3000,
         kv_blocks_total=total, kv_blocks_free=free, block_size=16, running=running, waiting=waiting,
         inbox_pending=0, max_running=max_running, decode_tokens_per_s=0.0, started_at=0.0,
-        completed_per_s=completed_per_s,
+        completed_per_s=completed_per_s, light_slots=light_slots,
     )  # fmt: skip
 
 
@@ -202,6 +203,20 @@ def test_derived_depth_counts_what_waits_beyond_the_running_slots() -> None:
     # The fixed cap lets 64 wait on the same worker.
     assert not queue_full(WorkerSnapshot(hb, in_flight=63), POLICY)
     assert queue_full(WorkerSnapshot(hb, in_flight=64), POLICY)
+
+
+def test_a_light_request_may_go_past_the_depth_by_the_workers_light_slots() -> None:
+    # 16 slots and 1 light slot, 5 may wait, 5 just placed: full for a request of a team with a backlog,
+    # one more for a team with nothing else held.
+    hb = beat("a", running=16, max_running=16, completed_per_s=50.0, light_slots=1)
+    full = WorkerSnapshot(hb, in_flight=5)
+    assert queue_full(full, DERIVED)
+    assert not queue_full(full, DERIVED, light=True)
+    assert rejection(full, Demand(64, [], 16, light=True), NOW, DERIVED) is None
+    assert queue_full(WorkerSnapshot(hb, in_flight=6), DERIVED, light=True)
+    # A worker without light slots gives a light request nothing extra.
+    plain = beat("b", running=16, max_running=16, completed_per_s=50.0)
+    assert queue_full(WorkerSnapshot(plain, in_flight=5), DERIVED, light=True)
 
 
 def test_a_queue_inside_the_engine_with_slots_free_is_bounded_by_the_cap() -> None:

@@ -33,6 +33,7 @@ worker = st.fixed_dictionaries(
         "matched": st.integers(0, 8),
         "slots": st.integers(0, 64),
         "completed": st.floats(0, 300),
+        "light": st.integers(0, 3),
     }
 )
 
@@ -44,7 +45,7 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
         ttl_ms=3000, kv_blocks_total=total, kv_blocks_free=int(total * float(w["free_share"])),  # type: ignore[arg-type]
         block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
         decode_tokens_per_s=0.0, started_at=0.0, max_running=w.get("slots", 0),  # type: ignore[arg-type]
-        completed_per_s=w.get("completed", 0.0),  # type: ignore[arg-type]
+        completed_per_s=w.get("completed", 0.0), light_slots=w.get("light", 0),  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -55,14 +56,14 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
     batch=st.booleans(),
     seed=st.integers(0, 1000),
     depth=st.sampled_from(["derived", "fixed"]),
+    light=st.booleans(),
 )
 def test_fast_and_reference_agree(
-    workers: list[dict[str, object]], max_tokens: int, batch: bool, seed: int, depth: str
+    workers: list[dict[str, object]], max_tokens: int, batch: bool, seed: int, depth: str, light: bool
 ) -> None:
     policy = PlacementPolicy(queue_depth=depth)  # type: ignore[arg-type]
-    demand = Demand(
-        128, [f"h{i}" for i in range(8)], max_tokens, Priority.BATCH if batch else Priority.INTERACTIVE
-    )
+    priority = Priority.BATCH if batch else Priority.INTERACTIVE
+    demand = Demand(128, [f"h{i}" for i in range(8)], max_tokens, priority, light=light)
     table = WorkerTable(capacity=2)
     snapshots = []
     for i, w in enumerate(workers):

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gpu_workers.engine import EarlyStart, EngineError, EngineOutput, EngineStats
-from gpu_workers.presence import Ready, engine_load, next_to_start
+from gpu_workers.presence import Ready, engine_load, next_light, next_to_start, under_share
 from gpu_workers.starting import start_refusal
 from queue_schemas.messages import FinishReason, InferenceRequest, Priority, SamplingParams
 
@@ -128,3 +128,26 @@ def test_a_free_slot_takes_the_band_then_the_team_with_least_running_here_then_t
     assert queued[next_to_start(queued, {})].request.request_id == "c" * 8
     # Batch only when no interactive request is ready.
     assert next_to_start([queued[0]], {}) == 0
+
+
+def test_a_team_is_under_its_share_below_an_equal_split_among_the_teams_running_here() -> None:
+    assert under_share("b", {"a": 7}, slots=8)  # b would be the second team: its share is 4
+    assert under_share("a", {"a": 7}, slots=8)  # alone, a's share is all 8 slots
+    assert not under_share("a", {"a": 8}, slots=8)  # so a team alone never takes a light slot
+    assert under_share("a", {"a": 3, "b": 1}, slots=8)
+    assert not under_share("a", {"a": 4, "b": 1}, slots=8)
+    assert under_share("c", {"a": 1, "b": 1}, slots=2)  # a team running nothing here is always under
+    assert not under_share("a", {"a": 1, "b": 1}, slots=2)
+
+
+def test_a_light_slot_takes_only_an_interactive_request_of_a_team_under_its_share() -> None:
+    queued = [
+        ready("a", "flood", tag=1, at=0),
+        ready("b", "quiet", Priority.BATCH, at=1),
+        ready("q", "quiet", tag=900, at=2),
+    ]
+    chosen = next_light(queued, {"flood": 8}, slots=8)
+    assert chosen is not None
+    assert queued[chosen].request.request_id == "q" * 8
+    assert next_light(queued[:2], {"flood": 8}, slots=8) is None  # flood is over its share, quiet's is batch
+    assert next_light(queued, {"flood": 4, "quiet": 4}, slots=8) is None  # both hold their equal share
