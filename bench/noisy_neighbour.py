@@ -11,7 +11,8 @@ backlog drains after the phase), and p50/p90/p99 TTFT (A's includes its wait in 
 
 The stack runs once per worker queue depth (fixed at the cap, `max_queue` 64, as before; and derived
 from each worker's completion rate, the default) and per number of light slots a worker keeps for
-interactive requests of teams under their share of it (`--light-slots`, 1 by default; 0 for none).
+interactive requests of teams under their share of it (`--light-slots`: 2 by default, as in a pool;
+0 for none).
 
 Run: `.venv/bin/python -m bench.noisy_neighbour [--rate 2.5 --seconds 60]` (the defaults).
 """
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     parser.add_argument("--depths", nargs="+", choices=["fixed", "derived"], default=["fixed", "derived"])
     parser.add_argument(
-        "--light-slots", nargs="+", type=int, default=[1], help="light slots per worker (0: none)"
+        "--light-slots", nargs="+", type=int, default=[2], help="light slots per worker (0: none)"
     )
     parser.add_argument(
         "--dispatchers", type=int, default=2, help="dispatchers of the pool (each its own hold)"
@@ -184,6 +185,7 @@ def report(depth: str, light: int, args: argparse.Namespace) -> None:
         a = percentile([t * 1000 for t in runs["alone"][i].ttfts], 0.99)
         b = percentile([t * 1000 for t in runs["beside"][i + 1].ttfts], 0.99)
         print(f"  {team} p99 beside A / alone: {b / a:4.2f}   (target: <= 1.5)")
+
 
 if __name__ == "__main__":
     main()

@@ -143,7 +143,7 @@ class PoolConfig(BaseModel):
     )
     queue_timeout_s: float = Field(default=120.0, gt=0, description="a request not started by then times out")
     light_slots: int = Field(
-        default=1,
+        default=2,
         ge=0,
         description="running slots each worker keeps beyond its engine's stated slots for interactive "
         "requests of teams running less than an equal share of that worker, so a light team does not "
