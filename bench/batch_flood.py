@@ -49,6 +49,7 @@ SIM = """
 name = "flood"
 model = "sluice-sim"
 max_queued = 100000
+light_slots = {light}
 
 [pools.simulated]
 ttft_ms = 20
@@ -68,6 +69,7 @@ engine = "vllm"
 context_tokens = 2048
 block_size = 128
 max_queued = 100000
+light_slots = {light}
 
 [pools.vllm]
 source = "{source}"
@@ -162,6 +164,9 @@ def main() -> None:
     parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     parser.add_argument("--scheduling", choices=["priority", "fcfs"], default="priority")
     parser.add_argument("--headroom", type=float, default=None, help="batch_headroom_fraction (default 0.25)")
+    parser.add_argument(
+        "--light-slots", type=int, default=2, help="light slots per worker (the pool default)"
+    )
     parser.add_argument("--pin", action="store_true", help="vllm: the model worker alone on core 0")
     parser.add_argument("--streams", type=int, default=None, help="interactive clients (sim 8, vllm 2)")
     parser.add_argument("--requests", type=int, default=None, help="per phase (sim 600, vllm 60)")
@@ -178,11 +183,14 @@ def main() -> None:
     if vllm:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         source = prepare_smollm2(MODELS / MODEL, MODELS / "downloads").resolve()
-        config, model = VLLM.format(model=MODEL, source=source, scheduling=args.scheduling), MODEL
+        config, model = (
+            VLLM.format(model=MODEL, source=source, scheduling=args.scheduling, light=args.light_slots),
+            MODEL,
+        )
         if args.pin:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)
     else:
-        config, model = SIM.format(scheduling=args.scheduling), "sluice-sim"
+        config, model = SIM.format(scheduling=args.scheduling, light=args.light_slots), "sluice-sim"
     with dev_stack(config, extra_env=env) as (stack, endpoints):
         if vllm and args.pin and pin_all() != 1:
             raise RuntimeError("expected one vLLM model worker to pin")

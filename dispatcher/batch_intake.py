@@ -53,7 +53,7 @@ def parse_batch_body(sub: BatchSubmission, pool: PoolConfig) -> BatchBody:
         body, kind = parse_body(CompletionRequest, sub.body), "text"
     if body.stream:
         raise InvalidRequest("stream is not supported in a batch; the answer comes whole.", param="stream")
-    if body.model != pool.model:
+    if body.model != pool.model and pool.adapter(body.model) is None:
         raise NotFound(
             f"The model '{body.model}' is not served by pool '{pool.name}', whose batch topic this is.",
             param="model",

@@ -2,9 +2,9 @@
 
 Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
 expected output after a reserve, queue under its depth; batch requests also leave spare KV blocks and
-running slots), then a
-weighted sum of clamped terms: prefix match ratio, KV headroom after placement, and queue depth relative
-to the other candidates. Ties are broken at random.
+running slots), then a weighted sum of clamped terms: prefix match ratio, KV headroom after placement,
+queue depth relative to the other candidates, and whether the worker holds the request's LoRA adapter.
+Ties are broken at random.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ class PlacementPolicy:
     prefix_weight: float = 5.0
     kv_weight: float = 2.0
     queue_weight: float = 2.0
+    # A request for a LoRA adapter scores this on a worker that holds the adapter (one that does not
+    # must load it first).
+    adapter_weight: float = 3.0
     kv_reserve_fraction: float = 0.05
     max_queue: int = 64
     expected_output_tokens: int = 256
@@ -56,6 +59,7 @@ class Demand:
     # Its team has nothing else waiting in the hold: it may go past a worker's queue depth by the
     # worker's light slots, which start an interactive request of a team under its share at once.
     light: bool = False
+    adapter: str | None = None  # the LoRA adapter it runs under
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,13 @@ def score(
     needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
     kv = min(1.0, max(0.0, headroom_after(worker, needed)))
     queue = 1.0 if queue_max == queue_min else (queue_max - worker.queue) / (queue_max - queue_min)
-    return policy.prefix_weight * prefix + policy.kv_weight * kv + policy.queue_weight * queue
+    adapter = 1.0 if demand.adapter is None or demand.adapter in worker.heartbeat.adapters else 0.0
+    return (
+        policy.prefix_weight * prefix
+        + policy.kv_weight * kv
+        + policy.queue_weight * queue
+        + policy.adapter_weight * adapter
+    )
 
 
 def choose(

@@ -252,6 +252,7 @@ class Dispatcher:
             request.priority,
             waited,
             light=request.priority is Priority.INTERACTIVE and self.hold.held_of(request.team) <= 1,
+            adapter=request.adapter,
         )
         t0 = time.perf_counter()
         if self.settings.placement == "scored":

@@ -113,7 +113,10 @@ def choose_fast(
     now: float,
     policy: PlacementPolicy,
     rng: random.Random,
+    adapter_held: Floats | None = None,
 ) -> Decision:
+    """`adapter_held`: 1 for each row whose worker holds the request's adapter (None: every row counts
+    as holding it, as for a request without one)."""
     if not len(table):
         return Decision(None, reason="no workers")
     block_size = table.col("block_size")
@@ -159,7 +162,13 @@ def choose_fast(
     kv = np.clip(after, 0.0, 1.0)
     lo, hi = queue[fit].min(), queue[fit].max()
     queue_term = np.ones(len(table)) if hi == lo else (hi - queue) / (hi - lo)
-    score = policy.prefix_weight * prefix + policy.kv_weight * kv + policy.queue_weight * queue_term
+    adapter = np.ones(len(table)) if demand.adapter is None or adapter_held is None else adapter_held
+    score = (
+        policy.prefix_weight * prefix
+        + policy.kv_weight * kv
+        + policy.queue_weight * queue_term
+        + policy.adapter_weight * adapter
+    )
     score = np.where(fit, score, -np.inf)
     best = score.max()
     winners = np.flatnonzero(score >= best - 1e-9)

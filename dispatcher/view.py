@@ -95,7 +95,18 @@ class WorkerView:
 
     def decide(self, demand: Demand, now: float, policy: PlacementPolicy, rng: random.Random) -> Decision:
         """The scored placement (placement.choose's rules) over the columnar table."""
-        return choose_fast(self.table, self.matched_column(demand.block_hashes), demand, now, policy, rng)
+        matched = self.matched_column(demand.block_hashes)
+        held = None if demand.adapter is None else self.adapter_column(demand.adapter)
+        return choose_fast(self.table, matched, demand, now, policy, rng, held)
+
+    def adapter_column(self, adapter: str) -> Floats:
+        """1 for each table row whose worker's last heartbeat says it holds the adapter."""
+        column = np.zeros(len(self.table))
+        for row, worker_id in enumerate(self.table.ids):
+            hb = self.heartbeats.get(worker_id)
+            if hb is not None and adapter in hb.adapters:
+                column[row] = 1.0
+        return column
 
     def matched_column(self, block_hashes: Sequence[str]) -> Floats:
         """Each table row's prefix match: precise indexes in one walk, approximate ones per worker."""

@@ -36,6 +36,7 @@ class EngineStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     preemptions: int = 0  # running requests sent back to wait (their KV freed), in total
+    adapters: tuple[str, ...] = ()  # LoRA adapters held, least recently used first
 
 
 class EngineError(Exception):

@@ -20,7 +20,7 @@ from queue_schemas.model_store import ModelStore
 def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:
     if pool.engine == "simulated":
         config = pool.simulated.model_copy(update={"max_running": pool.engine_slots})
-        return SimulatedEngine(config, pool.block_size)
+        return SimulatedEngine(config, pool.block_size, pool.max_loras)
     from gpu_workers.vllm_engine import VllmEngine
 
     return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding)

@@ -152,6 +152,7 @@ def heartbeat(
         prefix_query_tokens=stats.prefix_query_tokens,
         prefix_hit_tokens=stats.prefix_hit_tokens,
         preemptions=stats.preemptions,
+        adapters=stats.adapters,
         error=vitals.error,
     )
 

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from gpu_workers.adapters import AdapterLru
 from gpu_workers.batch_clock import BatchClock, Running
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.engine_schedule import EngineSchedule, Entry
@@ -80,8 +81,9 @@ def apply_stops(text: str, max_tokens: int, stops: tuple[str, ...]) -> tuple[str
 
 
 class SimulatedEngine:
-    def __init__(self, config: SimulatedEngineConfig, block_size: int) -> None:
+    def __init__(self, config: SimulatedEngineConfig, block_size: int, max_loras: int = 4) -> None:
         self._config = config
+        self._adapters = AdapterLru(max_loras)
         self._block_size = block_size
         self._schedule = EngineSchedule(config.max_running, config.kv_blocks, block_size, config.scheduling)
         self._admitted: dict[Entry, asyncio.Event] = {}
@@ -140,6 +142,7 @@ class SimulatedEngine:
             prefix_query_tokens=self._prefix_queries,
             prefix_hit_tokens=self._prefix_hits,
             preemptions=schedule.preemptions,
+            adapters=self._adapters.held(),
         )
 
     def _wake(self, started: list[Entry]) -> None:
@@ -193,6 +196,8 @@ class SimulatedEngine:
         try:
             self._wake(self._schedule.submit(entry))
             await self._admitted[entry].wait()
+            if request.adapter is not None and self._adapters.use(request.adapter).loaded:
+                await asyncio.sleep(self._config.adapter_load_ms / 1000)
             cached = self._cache_prompt(request.block_hashes) * self._block_size
             self._prefix_queries += prompt_tokens
             self._prefix_hits += cached

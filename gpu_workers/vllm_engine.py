@@ -20,11 +20,12 @@ from typing import Any
 
 import structlog
 
+from gpu_workers.adapters import AdapterLru
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.kv_translate import KvTranslator, salt_of
 from queue_schemas.config import PoolConfig, VllmEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest
-from queue_schemas.model_store import ModelSourceError, ModelStore
+from queue_schemas.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 
 log = structlog.get_logger("sluice.vllm")
 
@@ -76,6 +77,8 @@ def engine_arguments(
         "speculative_config": speculative_config(config, spec_decoding),
         "disable_log_stats": False,
     }
+    if pool.adapters:
+        args.update(lora_arguments(pool))
     if kv_endpoint is not None:
         args["kv_events_config"] = {
             "enable_kv_cache_events": True,
@@ -84,6 +87,22 @@ def engine_arguments(
             "topic": KV_TOPIC.decode(),
         }
     return args
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def lora_arguments(pool: PoolConfig) -> dict[str, Any]:
+    """vLLM's LoRA settings for a pool with adapters: `max_loras` held at once (and as many kept in host
+    memory, so an evicted adapter is read from its folder again), the rank rounded up to one vLLM
+    accepts. Pure."""
+    rank = max(a.rank for a in pool.adapters)
+    return {
+        "enable_lora": True,
+        "max_loras": pool.max_loras,
+        "max_cpu_loras": pool.max_loras,
+        "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
+    }
 
 
 def sampling_arguments(request: InferenceRequest) -> dict[str, Any]:
@@ -167,6 +186,8 @@ class VllmEngine:
         self._blocks_total = 0
         self._failure: str | None = None
         self.model_dir: Path | None = None
+        self._adapter_dirs: dict[str, Path] = {}
+        self._adapters = AdapterLru(pool.max_loras)  # vLLM evicts by the same least-recently-used rule
 
     async def start(self) -> None:
         config = self._pool.vllm
@@ -174,6 +195,10 @@ class VllmEngine:
             raise EngineError(f"pool {self._pool.name} has no [pools.vllm] section")
         try:
             self.model_dir = await asyncio.to_thread(self._store.resolve, config.source)
+            for adapter in self._pool.adapters:
+                self._adapter_dirs[adapter.name] = await asyncio.to_thread(
+                    self._store.resolve, adapter.source, None, ADAPTER_FILES
+                )
         except ModelSourceError as exc:
             raise EngineError(f"model not available: {exc}") from None
         try:
@@ -283,7 +308,19 @@ class VllmEngine:
             prefix_query_tokens=figures.prefix_queries,
             prefix_hit_tokens=figures.prefix_hits,
             preemptions=figures.preemptions,
+            adapters=self._adapters.held(),
         )
+
+    def _lora_request(self, adapter: str | None) -> Any:
+        if adapter is None:
+            return None
+        folder = self._adapter_dirs.get(adapter)
+        if folder is None:
+            raise EngineError(f"pool {self._pool.name} has no adapter named {adapter!r}")
+        from vllm.lora.request import LoRARequest
+
+        self._adapters.use(adapter)
+        return LoRARequest(adapter, self._pool.adapter_id(adapter), str(folder))
 
     async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
@@ -301,13 +338,16 @@ class VllmEngine:
             params = SamplingParams(output_kind=RequestOutputKind.DELTA, structured_outputs=guided, **fields)
         except (ValueError, VLLMClientError) as exc:
             raise EngineError(f"sampling parameters refused by the engine: {exc}") from None
+        lora = self._lora_request(request.adapter)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         n_prompt = len(request.prompt_token_ids)
         finished = False
         try:
-            stream = self._llm.generate(prompt, params, request.request_id, priority=request.engine_priority)
+            stream = self._llm.generate(
+                prompt, params, request.request_id, lora_request=lora, priority=request.engine_priority
+            )
             async for out in stream:
                 completion = out.outputs[0]
                 reason = finish_reason(completion.finish_reason) if out.finished else None

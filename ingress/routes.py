@@ -101,11 +101,16 @@ async def metrics() -> Response:
 
 @router.get("/v1/models")
 async def list_models(ctx: Context, team: Team) -> dict[str, Any]:
-    data = [
-        {"id": pool.model, "object": "model", "created": 0, "owned_by": "sluice"}
-        for pool in ctx.pools.pools
-        if team.key.allows_pool(pool.name)
-    ]
+    data: list[dict[str, Any]] = []
+    for pool in ctx.pools.pools:
+        if not team.key.allows_pool(pool.name):
+            continue
+        data.append({"id": pool.model, "object": "model", "created": 0, "owned_by": "sluice"})
+        data.extend(
+            {"id": a.name, "object": "model", "created": 0, "owned_by": pool.name, "parent": pool.model}
+            for a in pool.adapters
+            if team.key.allows_model(pool.name, a.name)
+        )
     return {"object": "list", "data": data}
 
 
@@ -130,7 +135,8 @@ async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
 
 def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
     pool = ctx.pools.pool_for_model(model)
-    if pool is None or not team.key.allows_pool(pool.name):
+    adapter = model if pool is not None and model != pool.model else None
+    if pool is None or not team.key.allows_model(pool.name, adapter):
         raise NotFound(
             f"The model '{model}' does not exist or you do not have access to it.",
             param="model",
@@ -224,7 +230,8 @@ async def serve(
         inference = inference.model_copy(update={"sampling": sampling})
     sub = await queue(ctx, inference)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), pool.model)
+    model = inference.adapter or pool.model
+    shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), model)
     ACTIVE_STREAMS.labels(pool.name).inc()
     if body.stream:
         stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))

@@ -67,11 +67,13 @@ def build_request(
         frequency_penalty=body.frequency_penalty or 0.0,
         structured=structured,
     )
-    salt = cache_salt(team, pool.shared_prefix_cache)
+    adapter = body.model if pool.adapter(body.model) is not None else None
+    salt = cache_salt(team, pool.shared_prefix_cache, adapter)
     return InferenceRequest(
         request_id=request_id,
         pool=pool.name,
         model=pool.model,
+        adapter=adapter,
         team=team,
         prompt_token_ids=tuple(prompt_token_ids),
         block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size, salt=salt)),

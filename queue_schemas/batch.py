@@ -222,7 +222,10 @@ def completed_answer(request: InferenceRequest, text: str, finish: FinishReason,
     assert ticket is not None, "only batch requests are answered on Kafka"
     prefix = "chatcmpl" if ticket.kind == "chat" else "cmpl"
     shape = ResponseShape(
-        ticket.kind, f"{prefix}-{request.request_id}", int(request.created_at), request.model
+        ticket.kind,
+        f"{prefix}-{request.request_id}",
+        int(request.created_at),
+        request.adapter or request.model,
     )
     body = completion_body(shape, text, finish, usage, ticket_tool(ticket))
     return http_answer(request.request_id, ticket.request_id, ticket.custom_id, 200, body)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from queue_schemas.messages import Name
 
@@ -42,6 +42,7 @@ class SimulatedEngineConfig(BaseModel):
     chunk_tokens: int = Field(default=2048, gt=0, description="batched: prompt tokens prefilled per step")
     kv_blocks: int = Field(default=4096, gt=0)
     max_running: int = Field(default=64, gt=0)
+    adapter_load_ms: float = Field(default=200.0, ge=0.0, description="loading a LoRA adapter not held")
     min_words: int = Field(default=12, gt=0, description="shortest natural answer, in words")
     max_words: int = Field(default=40, gt=0, description="longest natural answer, in words")
     fail_after_tokens: int | None = Field(
@@ -88,6 +89,27 @@ class VllmEngineConfig(BaseModel):
     ngram_tokens: int = Field(default=3, gt=0, description="tokens proposed per step by ngram speculation")
     draft_model: str | None = Field(
         default=None, description="a draft model folder for speculation instead of ngram (GPU pools)"
+    )
+
+
+# What clients send as `model`: a base model's or an adapter's id.
+ModelId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/\-]{0,127}$")]
+
+
+class AdapterConfig(BaseModel):
+    """A LoRA adapter of the pool's base model, served as its own model id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: ModelId = Field(description="the model id clients send for this adapter")
+    source: str = Field(
+        min_length=1,
+        description="`s3://bucket/prefix`, a local folder or a hub id holding adapter_config.json and "
+        "adapter_model.safetensors (PEFT's layout)",
+    )
+    rank: int = Field(default=8, gt=0, le=512, description="the adapter's LoRA rank (r)")
+    target_modules: tuple[str, ...] = Field(
+        default=("q_proj", "v_proj"), min_length=1, description="the modules it adapts, for `sluice plan`"
     )
 
 
@@ -160,6 +182,12 @@ class PoolConfig(BaseModel):
         description="let teams reuse each other's cached prefixes (a public system prompt, say); then a "
         "team can tell from cached_tokens or timing that another team recently sent the same prefix",
     )
+    adapters: tuple[AdapterConfig, ...] = Field(
+        default=(), description="LoRA adapters of the base model, each served as its own model id"
+    )
+    max_loras: int = Field(
+        default=4, gt=0, description="adapters a worker holds at once; the least recently used is evicted"
+    )
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
     vllm: VllmEngineConfig | None = None
     scaling: ScalingConfig = ScalingConfig()
@@ -173,6 +201,23 @@ class PoolConfig(BaseModel):
                 f"pool {self.name}: a vLLM pool tokenizes with its model's tokenizer, not `bytes`"
             )
         return self
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> Self:
+        names = [a.name for a in self.adapters]
+        repeated = sorted({n for n in names if names.count(n) > 1 or n == self.model})
+        if repeated:
+            raise ValueError(
+                f"pool {self.name}: adapter names repeat or equal the model: {', '.join(repeated)}"
+            )
+        return self
+
+    def adapter(self, name: str) -> AdapterConfig | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+    def adapter_id(self, name: str) -> int:
+        """The adapter's number in the engine (vLLM's lora_int_id): its place in the list, from 1."""
+        return next(i for i, a in enumerate(self.adapters, 1) if a.name == name)
 
     @property
     def tokenizer_source(self) -> str:
@@ -207,10 +252,15 @@ class SluiceConfig(BaseModel):
             duplicated = sorted({v for v in values if values.count(v) > 1})
             if duplicated:
                 raise ValueError(f"pool {attr}s must be unique; repeated: {', '.join(duplicated)}")
+        ids = [p.model for p in self.pools] + [a.name for p in self.pools for a in p.adapters]
+        shared = sorted({i for i in ids if ids.count(i) > 1})
+        if shared:
+            raise ValueError(f"model ids (models and adapters) must be unique; repeated: {', '.join(shared)}")
         return self
 
     def pool_for_model(self, model: str) -> PoolConfig | None:
-        return next((p for p in self.pools if p.model == model), None)
+        """The pool serving `model`, a base model's id or one of its adapters'."""
+        return next((p for p in self.pools if p.model == model or p.adapter(model) is not None), None)
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:

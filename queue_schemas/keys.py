@@ -25,8 +25,16 @@ class TeamKey(BaseModel):
         default=False, description="requests may ask for service_tier priority (ahead of default traffic)"
     )
 
+    adapters: tuple[str, ...] = Field(
+        default=(), description="LoRA adapters this key may use; empty means every adapter of its pools"
+    )
+
     def allows_pool(self, pool: str) -> bool:
         return not self.pools or pool in self.pools
+
+    def allows_model(self, pool: str, adapter: str | None) -> bool:
+        """Whether the key may use the pool, and the adapter if the request names one."""
+        return self.allows_pool(pool) and (adapter is None or not self.adapters or adapter in self.adapters)
 
 
 def new_api_key() -> str:

@@ -134,6 +134,9 @@ class InferenceRequest(Message):
         max_length=128,
         description="keeps the prompt's cached prefix to its team (vLLM cache_salt)",
     )
+    adapter: str | None = Field(
+        default=None, min_length=1, max_length=128, description="the LoRA adapter it runs under, by name"
+    )
     sampling: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     tier: Tier = Field(default=Tier.DEFAULT, description="service tier within the interactive class")
@@ -275,6 +278,9 @@ class Heartbeat(Message):
     prefix_hit_tokens: int = Field(default=0, ge=0, description="of those, tokens found cached")
     preemptions: int = Field(
         default=0, ge=0, description="running requests the engine preempted since it started, in total"
+    )
+    adapters: tuple[str, ...] = Field(
+        default=(), max_length=1024, description="LoRA adapters the engine holds, least recently used first"
     )
     error: str | None = Field(default=None, max_length=2000, description="why a failed worker stopped")
 

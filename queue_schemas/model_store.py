@@ -33,6 +33,10 @@ TOKENIZER_FILES = (
 )
 
 
+MODEL_MARKS = ("config.json", "tokenizer.json")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
 class ModelSourceError(Exception):
     """The model cannot be found, downloaded or verified; the message says which and why."""
 
@@ -161,15 +165,18 @@ class ModelStore:
         self.cache_root = cache_root
         self._s3_factory = s3_client_factory or default_s3_client
 
-    def resolve(self, source: str, only: tuple[str, ...] | None = None) -> Path:
-        """A local folder holding the source's files (`only`: just these file names, e.g. a tokenizer)."""
+    def resolve(
+        self, source: str, only: tuple[str, ...] | None = None, marks: tuple[str, ...] = MODEL_MARKS
+    ) -> Path:
+        """A local folder holding the source's files (`only`: just these file names, e.g. a tokenizer).
+        A local folder must hold one of `marks` (a model's or tokenizer's files; an adapter's)."""
         location = parse_s3(source)
         if location is not None:
             return self._fetch_s3(source, location, only)
         folder = Path(source).expanduser()
         if folder.is_dir():
-            if not (folder / "config.json").exists() and not (folder / "tokenizer.json").exists():
-                raise ModelSourceError(f"{source}: the folder holds neither config.json nor tokenizer.json")
+            if not any((folder / mark).exists() for mark in marks):
+                raise ModelSourceError(f"{source}: the folder holds none of {', '.join(marks)}")
             return folder
         if source.startswith(("/", ".", "~")) or source.count("/") != 1:
             raise ModelSourceError(f"{source}: no such model folder")

@@ -20,9 +20,12 @@ _ROOT = b"sluice-prefix-v1"
 SALT_TAG = "sluice-team:"
 
 
-def cache_salt(team: str, shared: bool) -> str | None:
-    """The salt of a team's prefixes: none where the pool shares its cache across teams."""
-    return None if shared else SALT_TAG + team
+def cache_salt(team: str, shared: bool, adapter: str | None = None) -> str | None:
+    """The salt of a team's prefixes: none where the pool shares its cache across teams. A LoRA
+    adapter's name is part of it, as KV computed under one adapter is not valid under another."""
+    if adapter is None:
+        return None if shared else SALT_TAG + team
+    return SALT_TAG + ("*" if shared else team) + "|adapter:" + adapter
 
 
 def _root(salt: str | None) -> bytes:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from queue_schemas.model_store import (
+    ADAPTER_FILES,
     ModelSourceError,
     ModelStore,
     ObjectEntry,
@@ -63,9 +64,19 @@ def test_local_sources(tmp_path: Path) -> None:
     store = ModelStore(tmp_path / "cache")
     model = tmp_path / "model"
     model.mkdir()
-    with pytest.raises(ModelSourceError, match=r"neither config\.json nor tokenizer\.json"):
+    with pytest.raises(ModelSourceError, match=r"none of config\.json, tokenizer\.json"):
         store.resolve(str(model))
     (model / "config.json").write_text("{}")
     assert store.resolve(str(model)) == model
     with pytest.raises(ModelSourceError, match="no such model folder"):
         store.resolve(str(tmp_path / "missing"))
+
+
+def test_an_adapter_folder_is_found_by_its_own_files(tmp_path: Path) -> None:
+    store = ModelStore(tmp_path / "cache")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match="none of config.json"):
+        store.resolve(str(adapter))  # not a model
+    assert store.resolve(str(adapter), marks=ADAPTER_FILES) == adapter

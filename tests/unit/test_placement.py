@@ -205,6 +205,27 @@ def test_derived_depth_counts_what_waits_beyond_the_running_slots() -> None:
     assert queue_full(WorkerSnapshot(hb, in_flight=64), POLICY)
 
 
+def test_a_request_for_an_adapter_prefers_a_worker_that_holds_it() -> None:
+    holds = beat("a").model_copy(update={"adapters": ("sql", "poem")})
+    lacks = beat("b").model_copy(update={"adapters": ("poem",)})
+    for_sql = Demand(prompt_tokens=128, block_hashes=HASHES, max_tokens=64, adapter="sql")
+    rng = random.Random(0)
+    picks = {
+        choose([WorkerSnapshot(holds), WorkerSnapshot(lacks)], for_sql, NOW, POLICY, rng).worker_id
+        for _ in range(20)
+    }
+    assert picks == {"a"}
+    # Without an adapter, neither is preferred.
+    picks = {
+        choose([WorkerSnapshot(holds), WorkerSnapshot(lacks)], demand(), NOW, POLICY, rng).worker_id
+        for _ in range(40)
+    }
+    assert picks == {"a", "b"}
+    # Holding the adapter does not outweigh a worker that holds the whole prompt's prefix.
+    cached = WorkerSnapshot(lacks, matched_blocks=len(HASHES))
+    assert choose([WorkerSnapshot(holds), cached], for_sql, NOW, POLICY, rng).worker_id == "b"
+
+
 def test_a_light_request_may_go_past_the_depth_by_the_workers_light_slots() -> None:
     # 16 slots and 1 light slot, 5 may wait, 5 just placed: full for a request of a team with a backlog,
     # one more for a team with nothing else held.

@@ -46,3 +46,20 @@ def test_the_translator_names_a_salted_chain_from_the_engines_extra_keys() -> No
     assert change == (KvEventKind.STORED, tuple(block_hashes(tokens, 16, salt=salt)))
     assert salt_of(None) is None
     assert salt_of([("lora-x",)]) is None
+
+
+def test_an_adapter_salts_the_chain_even_where_teams_share_the_cache() -> None:
+    tokens = list(range(64))
+    salts = [
+        cache_salt("a", shared=False, adapter="sql"),
+        cache_salt("a", shared=False, adapter="poem"),
+        cache_salt("a", shared=False),
+        cache_salt("a", shared=True, adapter="sql"),
+    ]
+    assert len(set(salts)) == 4
+    assert cache_salt("b", shared=True, adapter="sql") == salts[3]  # shared across teams, not adapters
+    chains = [set(block_hashes(tokens, 16, salt=s)) for s in salts]
+    assert all(not chains[i] & chains[j] for i in range(4) for j in range(i + 1, 4))
+    salt = salts[0]
+    change = KvTranslator(16).stored(["e1", "e2"], None, tokens[:32], salt_of([("sql", salt), None]))
+    assert change == (KvEventKind.STORED, tuple(block_hashes(tokens[:32], 16, salt=salt)))

@@ -34,6 +34,7 @@ worker = st.fixed_dictionaries(
         "slots": st.integers(0, 64),
         "completed": st.floats(0, 300),
         "light": st.integers(0, 3),
+        "adapter": st.booleans(),
     }
 )
 
@@ -46,6 +47,7 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
         block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
         decode_tokens_per_s=0.0, started_at=0.0, max_running=w.get("slots", 0),  # type: ignore[arg-type]
         completed_per_s=w.get("completed", 0.0), light_slots=w.get("light", 0),  # type: ignore[arg-type]
+        adapters=("x",) if w.get("adapter") else (),
     )  # fmt: skip
 
 
@@ -57,13 +59,20 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
     seed=st.integers(0, 1000),
     depth=st.sampled_from(["derived", "fixed"]),
     light=st.booleans(),
+    adapter=st.sampled_from([None, "x"]),
 )
 def test_fast_and_reference_agree(
-    workers: list[dict[str, object]], max_tokens: int, batch: bool, seed: int, depth: str, light: bool
+    workers: list[dict[str, object]],
+    max_tokens: int,
+    batch: bool,
+    seed: int,
+    depth: str,
+    light: bool,
+    adapter: str | None,
 ) -> None:
     policy = PlacementPolicy(queue_depth=depth)  # type: ignore[arg-type]
     priority = Priority.BATCH if batch else Priority.INTERACTIVE
-    demand = Demand(128, [f"h{i}" for i in range(8)], max_tokens, priority, light=light)
+    demand = Demand(128, [f"h{i}" for i in range(8)], max_tokens, priority, light=light, adapter=adapter)
     table = WorkerTable(capacity=2)
     snapshots = []
     for i, w in enumerate(workers):
@@ -71,7 +80,8 @@ def test_fast_and_reference_agree(
         table.upsert(hb, int(w["in_flight"]), int(w["in_flight_blocks"]))  # type: ignore[call-overload]
         snapshots.append(WorkerSnapshot(hb, w["in_flight"], w["in_flight_blocks"], w["matched"]))  # type: ignore[arg-type]
     matched = np.array([float(w["matched"]) for w in workers])  # type: ignore[arg-type]
-    fast = choose_fast(table, matched, demand, NOW, policy, random.Random(seed))
+    held = np.array([1.0 if w["adapter"] else 0.0 for w in workers])
+    fast = choose_fast(table, matched, demand, NOW, policy, random.Random(seed), held)
     reference = choose(snapshots, demand, NOW, policy, random.Random(seed))
     assert (fast.worker_id is None) == (reference.worker_id is None)
     if fast.worker_id is None:
