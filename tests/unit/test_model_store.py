@@ -77,6 +77,6 @@ def test_an_adapter_folder_is_found_by_its_own_files(tmp_path: Path) -> None:
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    with pytest.raises(ModelSourceError, match="none of config.json"):
+    with pytest.raises(ModelSourceError, match=r"none of config\.json"):
         store.resolve(str(adapter))  # not a model
     assert store.resolve(str(adapter), marks=ADAPTER_FILES) == adapter
