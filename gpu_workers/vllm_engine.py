@@ -78,7 +78,7 @@ def engine_arguments(
         "disable_log_stats": False,
     }
     if pool.adapters:
-        args.update(lora_arguments(pool))
+        args.update(lora_arguments(pool, on_gpu))
     if kv_endpoint is not None:
         args["kv_events_config"] = {
             "enable_kv_cache_events": True,
@@ -92,17 +92,38 @@ def engine_arguments(
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-def lora_arguments(pool: PoolConfig) -> dict[str, Any]:
+def lora_arguments(pool: PoolConfig, on_gpu: bool) -> dict[str, Any]:
     """vLLM's LoRA settings for a pool with adapters: `max_loras` held at once (and as many kept in host
     memory, so an evicted adapter is read from its folder again), the rank rounded up to one vLLM
-    accepts. Pure."""
+    accepts. On a CPU one slot more, for the base adapter (see `zero_adapter`). Pure."""
     rank = max(a.rank for a in pool.adapters)
+    slots = pool.max_loras + (0 if on_gpu else 1)
     return {
         "enable_lora": True,
-        "max_loras": pool.max_loras,
-        "max_cpu_loras": pool.max_loras,
+        "max_loras": slots,
+        "max_cpu_loras": slots,
         "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
     }
+
+
+BASE_ADAPTER = "sluice-base"
+
+
+def zero_adapter(like: Path, dest: Path) -> Path:
+    """An adapter of the same shapes as the one in `like` with every weight zero: the base model's
+    output. On a CPU, vLLM (0.32) runs a request without an adapter that shares a batch with adapter
+    requests under the adapter in its last LoRA slot (measured: greedy output changed to that
+    adapter's); workers there run base-model requests under this one instead, pinned in its own slot."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = dest / "adapter_model.safetensors"
+    if not weights.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "adapter_config.json").write_text((like / "adapter_config.json").read_text())
+        tensors = load_file(str(like / "adapter_model.safetensors"))
+        save_file({name: torch.zeros_like(t) for name, t in tensors.items()}, str(weights))
+    return dest
 
 
 def sampling_arguments(request: InferenceRequest) -> dict[str, Any]:
@@ -187,6 +208,7 @@ class VllmEngine:
         self._failure: str | None = None
         self.model_dir: Path | None = None
         self._adapter_dirs: dict[str, Path] = {}
+        self._base_lora: Any = None  # on a CPU with adapters: base-model requests run under it
         self._adapters = AdapterLru(pool.max_loras)  # vLLM evicts by the same least-recently-used rule
 
     async def start(self) -> None:
@@ -230,6 +252,19 @@ class VllmEngine:
                 f"{cache.block_size}; set block_size = {cache.block_size} in the pool configuration"
             )
         self._blocks_total = int(cache.num_gpu_blocks or 0)
+        if self._pool.adapters and not _has_cuda():
+            await self._pin_base_adapter()
+
+    async def _pin_base_adapter(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        first = self._adapter_dirs[self._pool.adapters[0].name]
+        folder = await asyncio.to_thread(
+            zero_adapter, first, self._store.cache_root / f"{BASE_ADAPTER}-{self._pool.name}"
+        )
+        self._base_lora = LoRARequest(BASE_ADAPTER, len(self._pool.adapters) + 1, str(folder))
+        await self._llm.add_lora(self._base_lora)
+        await self._llm.pin_lora(self._base_lora.lora_int_id)
 
     def _cpu_environment(self, config: VllmEngineConfig) -> dict[str, str]:
         """Thread settings for the engine's processes on CPU (values already in the environment win)."""
@@ -313,7 +348,7 @@ class VllmEngine:
 
     def _lora_request(self, adapter: str | None) -> Any:
         if adapter is None:
-            return None
+            return self._base_lora
         folder = self._adapter_dirs.get(adapter)
         if folder is None:
             raise EngineError(f"pool {self._pool.name} has no adapter named {adapter!r}")

@@ -81,12 +81,14 @@ async def create_key(
     pools: tuple[str, ...] = (),
     *,
     allow_priority: bool = False,
+    adapters: tuple[str, ...] = (),
 ) -> str:
     """Store a new key for `team` and return it; this is the only time the key itself is seen."""
     key = new_api_key()
     record = TeamKey(
-        team=team, key_id=key_id(key), pools=pools, created_at=time.time(), allow_priority=allow_priority
-    )
+        team=team, key_id=key_id(key), pools=pools, created_at=time.time(), allow_priority=allow_priority,
+        adapters=adapters,
+    )  # fmt: skip
     await redis.set(names.api_key(hash_api_key(key)), record.model_dump_json())
     # The team record is what batch submissions are checked against; a new team starts unlimited.
     await redis.set(names.team(team), TeamRecord(team=team).model_dump_json(), nx=True)

@@ -53,6 +53,9 @@ def limits_of(tpm: int | None, rpm: int | None, daily: int | None) -> TeamLimits
 def keys_create(
     team: Annotated[str, typer.Option(help="team the key belongs to")],
     pool: Annotated[list[str] | None, typer.Option(help="allowed pool (repeatable); default all")] = None,
+    adapter: Annotated[
+        list[str] | None, typer.Option(help="allowed LoRA adapter (repeatable); default all of its pools'")
+    ] = None,
     tpm: TpmOpt = None,
     rpm: RpmOpt = None,
     daily_tokens: DailyOpt = None,
@@ -68,7 +71,14 @@ def keys_create(
     async def go(redis: aioredis.Redis, names: Names) -> str:
         if limits is not None:
             await set_team_limits(redis, names, team, limits)
-        return await create_key(redis, names, team, tuple(pool or ()), allow_priority=allow_priority)
+        return await create_key(
+            redis,
+            names,
+            team,
+            tuple(pool or ()),
+            allow_priority=allow_priority,
+            adapters=tuple(adapter or ()),
+        )
 
     typer.echo(with_redis(go))
 
@@ -109,13 +119,15 @@ def keys_limits(
 
 @keys_app.command("list")
 def keys_list() -> None:
-    """List keys by team (key ids only; keys themselves are never stored): team, key id, pools, and
-    `priority` where the key may ask for the priority service tier."""
+    """List keys by team (key ids only; keys themselves are never stored): team, key id, pools,
+    `adapters=...` where the key is limited to some LoRA adapters, and `priority` where the key may ask
+    for the priority service tier."""
     from infra.keys import list_keys
 
     for _, record in with_redis(list_keys):
+        adapters = f"\tadapters={','.join(record.adapters)}" if record.adapters else ""
         tiers = "\tpriority" if record.allow_priority else ""
-        typer.echo(f"{record.team}\t{record.key_id}\t{','.join(record.pools) or '*'}{tiers}")
+        typer.echo(f"{record.team}\t{record.key_id}\t{','.join(record.pools) or '*'}{adapters}{tiers}")
 
 
 @keys_app.command("revoke")

@@ -15,11 +15,12 @@ from gpu_workers.vllm_engine import (
     cpu_thread_binding,
     engine_arguments,
     finish_reason,
+    lora_arguments,
     sampling_arguments,
     speculative_config,
 )
 from infra.install_engine import cpu_requirements
-from queue_schemas.config import ConfigError, PoolConfig, VllmEngineConfig, parse_config
+from queue_schemas.config import AdapterConfig, ConfigError, PoolConfig, VllmEngineConfig, parse_config
 from queue_schemas.messages import (
     FinishReason,
     InferenceRequest,
@@ -200,3 +201,17 @@ def test_structured_outputs_become_vllm_guidance() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert args_for(StructuredOutput(kind="json_schema", schema_text=json.dumps(schema))) == {"json": schema}
     assert args_for(StructuredOutput(kind="json_object")) == {"json_object": True}
+
+
+def test_a_pool_with_adapters_enables_lora_with_a_rank_vllm_accepts_and_a_base_slot_on_cpu() -> None:
+    adapters = [
+        AdapterConfig(name="s-a", source="/a", rank=12),
+        AdapterConfig(name="s-b", source="/b", rank=4),
+    ]
+    pool = _pool().model_copy(update={"adapters": tuple(adapters), "max_loras": 3})
+    on_gpu = engine_arguments(pool, Path("/m"), spec_decoding=False, kv_endpoint=None, on_gpu=True)
+    assert (on_gpu["enable_lora"], on_gpu["max_loras"], on_gpu["max_cpu_loras"]) == (True, 3, 3)
+    assert on_gpu["max_lora_rank"] == 16  # 12 rounded up to a rank vLLM accepts
+    assert lora_arguments(pool, on_gpu=False)["max_loras"] == 4  # one more, for the base adapter
+    assert "enable_lora" not in engine_arguments(_pool(), Path("/m"), False, None, on_gpu=True)
+    assert pool.adapter_id("s-b") == 2
