@@ -7,7 +7,9 @@
 - scaling: the scaling rules on a diurnal day, 3-minute start-up, over seeds, with KEDA's lag threshold
   swept;
 - llmd: llm-d's precise-prefix-cache benchmark as llm-d describes it (llmd_experiment.py);
-- scale: 64 replicas and one hour of shared-prefix traffic, timed.
+- scale: 64 replicas and one hour of shared-prefix traffic, timed;
+- lora: 50 LoRA adapters of Zipf popularity over 8 replicas holding 8 each: sluice's adapter-affinity
+  placement against the same placement blind to adapters and the baselines.
 
 Each cell of a table over seeds is the median over the seeds with the [min-max] range beside it.
 Runs go over `--jobs` processes; each run is seeded, so the tables do not depend on the number of jobs.
@@ -29,7 +31,7 @@ from typing import Any
 from bench.sim.engine import TimingModel
 from bench.sim.fleet import Outcome, Scaler, simulate
 from bench.sim.metrics import Summary, summarize, violation_minutes
-from bench.sim.routers import ROUTERS, make_router
+from bench.sim.routers import LORA_ROUTERS, ROUTERS, make_router
 from bench.sim.scalers import (
     DynamoPlannerScaler,
     KedaScaler,
@@ -45,6 +47,7 @@ from bench.sim.workloads import (
     bursty_code,
     diurnal,
     diurnal_rate,
+    lora_zipf,
     multi_turn,
     shared_prefix,
 )
@@ -55,6 +58,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "multi-turn": multi_turn,
     "bursty-code": bursty_code,
     "batch-flood": batch_flood,
+    "lora-zipf": lora_zipf,
 }
 
 
@@ -70,6 +74,7 @@ class Run:
     replicas: int = 8
     heartbeat_s: float = 0.5
     scheduling: str = "fcfs"  # the replicas' engine scheduling: fcfs or priority
+    max_loras: int = 0  # adapters a replica holds (0: no LoRA)
 
 
 @dataclass
@@ -84,12 +89,13 @@ def run_one(run: Run) -> Result:
     w = WORKLOADS[run.workload](**dict(run.kwargs))
     flood = run.workload == "batch-flood"
     out = simulate(
-        functools.partial(make_router, run.router, run.seed), TimingModel(scheduling=run.scheduling),
+        functools.partial(make_router, run.router, run.seed),
+        TimingModel(scheduling=run.scheduling, max_loras=run.max_loras),
         w.requests, w.duration_s, run.replicas, seed=run.seed, heartbeat_s=run.heartbeat_s, views=run.views,
         split_at=FLOOD_AT_S if flood else None,
     )  # fmt: skip
     batch = summarize(out, "batch") if flood else None
-    extra = {"preemptions": float(out.stats.preemptions)}
+    extra = {"preemptions": float(out.stats.preemptions), "adapter_loads": float(out.stats.adapter_loads)}
     if flood:
         extra |= {"alone_p99": out.stats.before.quantile(0.99), "beside_p99": out.stats.after.quantile(0.99)}
         extra |= {"alone_p50": out.stats.before.quantile(0.5), "beside_p50": out.stats.after.quantile(0.5)}
@@ -223,6 +229,49 @@ def priority(args: argparse.Namespace) -> None:
             print("| --- " * 10 + "|")
             for (router, scheduling), fs in futures.items():
                 print(priority_row(router, scheduling, [f.result() for f in fs]), flush=True)
+
+
+LORA_HEADER = (
+    "| router | p50 TTFT ms | p90 TTFT ms | p99 TTFT s | tokens/s | adapter loads per minute | SLO met "
+    "| unfinished |"
+)
+
+
+def lora_row(name: str, results: list[Result], minutes: float) -> str:
+    s = [r.summary for r in results]
+    loads = [r.extra["adapter_loads"] / minutes for r in results]
+    return (
+        f"| {name} | {spread([x.ttft_p50 for x in s], ttft_ms)} | {spread([x.ttft_p90 for x in s], ttft_ms)} "
+        f"| {spread([x.ttft_p99 for x in s], '.2f')} | {spread([x.tokens_per_s for x in s], ',.0f')} "
+        f"| {spread(loads, ',.0f')} | {spread([x.slo_attainment * 100 for x in s], '.1f')}% "
+        f"| {spread([float(r.unfinished) for r in results], '.0f')} |"
+    )
+
+
+def lora(args: argparse.Namespace) -> None:
+    """Many adapters on one pool: every router over replicas that hold `max_loras` 8 adapters each."""
+    print(f"seeds {args.seeds}; views {args.views}; heartbeat {args.heartbeat_s:g} s")
+    routers = args.routers if args.routers != list(ROUTERS) else ["sluice", *LORA_ROUTERS, *ROUTERS[1:]]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for views in args.views:
+            for rate in args.lora_rates:
+                kwargs = (("rate", rate), ("duration_s", args.duration))
+                w = lora_zipf(rate=rate, duration_s=args.duration)
+                futures = {
+                    router: [
+                        pool.submit(run_one, Run("lora-zipf", kwargs, router, s, views, 8, args.heartbeat_s,
+                                                 max_loras=8))
+                        for s in args.seeds
+                    ]
+                    for router in routers
+                }  # fmt: skip
+                print(
+                    f"\n**{w.description}; 8 replicas x 8 adapters, {w.duration_s:.0f} s; {views} views**\n"
+                )
+                print(LORA_HEADER)
+                print("| --- " * 8 + "|")
+                for router, fs in futures.items():
+                    print(lora_row(router, [f.result() for f in fs], w.duration_s / 60), flush=True)
 
 
 SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-tokens")
@@ -396,17 +445,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "experiment", choices=["placement", "workloads", "priority", "scaling", "llmd", "scale"]
+        "experiment", choices=["placement", "workloads", "priority", "scaling", "llmd", "scale", "lora"]
     )
     parser.add_argument("--seed", type=int, default=1, help="for `scale`")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--jobs", type=int, default=2, help="processes to run the runs in")
-    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS + LORA_ROUTERS, default=list(ROUTERS))
     parser.add_argument("--views", nargs="+", choices=["exact", "heartbeat"], default=["heartbeat", "exact"])
     parser.add_argument("--heartbeat-s", type=float, default=0.5, help="age bound of heartbeat views")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic per run")
     parser.add_argument("--rates", type=float, nargs="+", default=[30.0, 60.0, 90.0])
     parser.add_argument("--rate", type=float, default=300.0, help="requests/s for `scale`")
+    parser.add_argument("--lora-rates", type=float, nargs="+", default=[20.0, 40.0], help="for `lora`")
     parser.add_argument("--peak", type=float, default=60.0, help="peak requests/s of the diurnal day")
     parser.add_argument("--day-s", type=float, default=6 * 3600.0, help="length of the simulated day")
     parser.add_argument("--startup", type=float, default=180.0, help="the replicas' real start-up")
@@ -421,7 +471,7 @@ def main() -> None:
     args = parser.parse_args()
     experiments = {
         "placement": placement, "workloads": workloads, "priority": priority, "scaling": scaling,
-        "llmd": llmd, "scale": scale,
+        "llmd": llmd, "scale": scale, "lora": lora,
     }  # fmt: skip
     experiments[args.experiment](args)
 

@@ -23,6 +23,12 @@ preempts decoding batch requests, the latest arrival first: each frees its block
 when re-admitted computes its prompt and its output so far again (vLLM's recompute preemption), then
 decodes the rest. vLLM preempts when a running request cannot grow; a sequence here holds its output's
 blocks from admission, so the same exchange of blocks happens when the interactive request is admitted.
+
+LoRA adapters (`max_loras` > 0), as vLLM serves them: a replica holds up to `max_loras` adapters, the
+least recently used evicted; a request whose adapter is not held loads it when admitted, which takes
+`adapter_load_s` of prefill time (the step that loads it is that much longer for every sequence in it);
+and the sequences in one step use at most `max_loras` distinct adapters, so a waiting request for
+another adapter is passed over (vLLM skips it and admits the next) until one of those finishes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from gpu_workers.prefix_cache import PrefixCache
@@ -71,6 +77,8 @@ class TimingModel:
     block_size: int = 16
     max_seqs: int = 256
     scheduling: str = "fcfs"  # or "priority": see the module docstring
+    max_loras: int = 0  # LoRA adapters held at once (0: no adapters modelled)
+    adapter_load_s: float = 0.05  # loading one adapter not held (see docs/benchmarks.md)
 
 
 @dataclass(eq=False)
@@ -89,6 +97,8 @@ class Request:
     done: float = math.nan
     replica: int = -1
     preempted: int = 0  # times the engine preempted it
+    adapter: int = -1  # its LoRA adapter (-1: the base model)
+    adapter_loads: int = 0  # times its admission loaded its adapter
 
     @property
     def band(self) -> int:
@@ -129,6 +139,9 @@ class Replica:
     completions: CompletionRate = field(default_factory=CompletionRate)  # as a worker's heartbeat counts
     waiting_tokens: int = 0  # prompt tokens of the requests in `waiting`
     preemptions: int = 0
+    adapters: OrderedDict[int, None] = field(default_factory=OrderedDict)  # held, least recent first
+    active: Counter[int] = field(default_factory=Counter)  # adapters of the admitted sequences
+    adapter_loads: int = 0
     _unscheduled: tuple[int, int] = (-1, 0)  # (version, prompts beyond this step's prefill budget)
     cache: PrefixCache = field(init=False)
     cache_log: list[tuple[int, tuple[str, ...]]] | None = None  # inserts since the last heartbeat
@@ -247,9 +260,13 @@ class Replica:
     def admit(self) -> None:
         """Start waiting requests while a sequence slot and their KV blocks are free."""
         m = self.model
-        while self.waiting and len(self.prefilling) + len(self.running) < m.max_seqs:
-            seq = self.waiting[0]
+        at = 0  # the first waiting request not passed over for its adapter
+        while at < len(self.waiting) and len(self.prefilling) + len(self.running) < m.max_seqs:
+            seq = self.waiting[at]
             r = seq.request
+            if not self._adapter_fits(r.adapter):
+                at += 1
+                continue
             matched = leading_cached(self.cache, r.blocks)
             uncached = max(1, r.prompt_tokens + seq.generated - matched * m.block_size)
             need = math.ceil((uncached + r.output_tokens - seq.generated) / m.block_size)
@@ -260,8 +277,9 @@ class Replica:
                     need = self.free_blocks  # alone on the replica: let it through rather than stall
                 else:
                     return
-            self.waiting.popleft()
+            del self.waiting[at]
             self.waiting_tokens -= r.prompt_tokens + seq.generated
+            uncached += self._use_adapter(r)
             if not seq.generated:
                 r.cached_tokens = matched * m.block_size
             seq.own_blocks = need
@@ -275,6 +293,48 @@ class Replica:
             seq.uncached = uncached
             self._queue_prefill(seq)
             seq.first_step = math.ceil(self.steps - EPS) + 1  # the step after the one in progress
+
+    def _adapter_fits(self, adapter: int) -> bool:
+        """Whether a sequence of `adapter` may join the admitted ones (at most max_loras adapters)."""
+        m = self.model
+        return adapter < 0 or not m.max_loras or adapter in self.active or len(self.active) < m.max_loras
+
+    def _use_adapter(self, request: Request) -> int:
+        """Admit a sequence of the request's adapter: load it if not held (evicting the least recently
+        used one no admitted sequence uses); returns the load as prefill tokens."""
+        adapter = request.adapter
+        if adapter < 0 or not self.model.max_loras:
+            return 0
+        self.active[adapter] += 1
+        if adapter in self.adapters:
+            self.adapters.move_to_end(adapter)
+            return 0
+        if len(self.adapters) >= self.model.max_loras:
+            idle = next((a for a in self.adapters if a not in self.active), None)
+            if idle is not None:
+                del self.adapters[idle]
+        self.adapters[adapter] = None
+        self.adapter_loads += 1
+        request.adapter_loads += 1
+        return math.ceil(self.model.adapter_load_s / self.model.prefill_per_token_s)
+
+    def _release_adapter(self, adapter: int) -> None:
+        if adapter >= 0 and self.model.max_loras:
+            self.active[adapter] -= 1
+            if not self.active[adapter]:
+                del self.active[adapter]
+
+    def held_adapters(self) -> frozenset[int]:
+        """What a worker's heartbeat reports: the adapters loaded."""
+        return frozenset(self.adapters)
+
+    def active_adapters(self) -> frozenset[int]:
+        """vLLM's running_lora_adapters: adapters of the admitted sequences."""
+        return frozenset(self.active)
+
+    def waiting_adapters(self) -> frozenset[int]:
+        """vLLM's waiting_lora_adapters."""
+        return frozenset(s.request.adapter for s in self.waiting if s.request.adapter >= 0)
 
     def _queue_prefill(self, seq: Seq) -> None:
         """Its prompt joins the prefill queue: at the end, or under `priority` ahead of lower bands whose
@@ -327,6 +387,7 @@ class Replica:
         remaining = max(1, math.ceil(seq.finish_step - self.steps - EPS))
         seq.generated = seq.request.output_tokens - remaining
         seq.own_blocks = 0
+        self._release_adapter(seq.request.adapter)
         seq.request.preempted += 1
         self.preemptions += 1
         self._wait(seq)
@@ -362,6 +423,7 @@ class Replica:
 
     def _finish(self, seq: Seq, now: float) -> Request:
         seq.request.done = now
+        self._release_adapter(seq.request.adapter)
         self.own_used -= seq.own_blocks
         self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
         self.completed += 1

@@ -87,9 +87,11 @@ class Stats:
     before: Sketch = field(default_factory=Sketch)
     after: Sketch = field(default_factory=Sketch)
     preemptions: int = 0
+    adapter_loads: int = 0
 
     def add(self, r: Request) -> None:
         self.preemptions += r.preempted
+        self.adapter_loads += r.adapter_loads
         c = self.by_class[r.priority]
         c.finished += 1
         ttft = r.first_token - r.arrival

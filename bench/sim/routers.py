@@ -100,9 +100,20 @@ class SluiceRouter:
         matched = np.array([by_id[w].matched(request.blocks) for w in self.table.ids], dtype=float)
         priority = Priority.BATCH if request.priority == "batch" else Priority.INTERACTIVE
         max_tokens = request.max_tokens or self.policy.expected_output_tokens
-        demand = Demand(request.prompt_tokens, request.blocks, max_tokens, priority, now - request.arrival)
+        adapter = f"a{request.adapter}" if request.adapter >= 0 else None
+        demand = Demand(
+            request.prompt_tokens,
+            request.blocks,
+            max_tokens,
+            priority,
+            now - request.arrival,
+            adapter=adapter,
+        )
+        held = None
+        if adapter is not None:
+            held = np.array([float(request.adapter in by_id[w].held_adapters()) for w in self.table.ids])
         t0 = time.perf_counter()
-        decision = choose_fast(self.table, matched, demand, now, self.policy, self.rng)
+        decision = choose_fast(self.table, matched, demand, now, self.policy, self.rng, held)
         self.decision_s += time.perf_counter() - t0
         self.decisions += 1
         if decision.worker_id is None:
@@ -181,6 +192,18 @@ class SglangRouter(Stateless):
         return self.rng.choice([v for v in views if v.cache_size == smallest])
 
 
+def lora_affinity(view: ReplicaView, adapter: int) -> float:
+    """gateway-api-inference-extension's lora-affinity-scorer, from vLLM's lora_requests_info: 1 where
+    the adapter has requests running, 0.8 where running and waiting adapters leave room for one more,
+    0.6 where it has requests waiting, else 0."""
+    active, waiting = view.active_adapters(), view.waiting_adapters()
+    if adapter in active:
+        return 1.0
+    if len(active) + len(waiting) < view.model.max_loras:
+        return 0.8
+    return 0.6 if adapter in waiting else 0.0
+
+
 def llmd_saturated(view: ReplicaView, queue_threshold: int = 5, kv_threshold: float = 0.8) -> bool:
     """llm-d's per-endpoint saturation test: waiting queue at the threshold or KV usage at its limit."""
     return view.queue >= queue_threshold or kv_usage(view) >= kv_threshold
@@ -201,6 +224,8 @@ class LlmdRouter(Stateless):
     blocks (the precise, KV-event-fed index), KV = 1 - usage, queue = (max - q) / (max - min) over the
     candidates (1 when all equal). `approximate_blocks` swaps the precise index for the approximate
     prefix-cache scorer: an LRU per endpoint of what was routed there, of that many blocks.
+    `lora_weight` adds the lora-affinity-scorer (`lora_affinity`); KServe adds it with weight 4 when a
+    model declares adapters (kserve/kserve #5655).
     """
 
     name = "llm-d"
@@ -212,8 +237,10 @@ class LlmdRouter(Stateless):
         saturation_filter: bool = False,
         weights: tuple[float, float, float] = (3.0, 2.0, 2.0),
         approximate_blocks: int | None = None,
+        lora_weight: float = 0.0,
     ) -> None:
         self.rng = rng
+        self.lora_weight = lora_weight
         self.flow_control = flow_control
         self.saturation_filter = saturation_filter
         self.weights = weights
@@ -244,6 +271,8 @@ class LlmdRouter(Stateless):
             kv = 1 - kv_usage(v)
             queue = 1.0 if hi == lo else (hi - v.queue) / (hi - lo)
             score = w_prefix * prefix + w_kv * max(0.0, min(1.0, kv)) + w_queue * queue
+            if self.lora_weight and request.adapter >= 0:
+                score += self.lora_weight * lora_affinity(v, request.adapter)
             if score > best + 1e-9:
                 best, chosen = score, [v]
             elif score >= best - 1e-9:
@@ -313,8 +342,12 @@ def make_router(name: str, seed: int, policy: PlacementPolicy | None = None) -> 
         # from 1 (the best of 1, 2, 4 and 8, with and without the router queue, at 60 and 90 req/s on
         # the shared-prefix workload; docs/benchmarks.md).
         "dynamo-tuned": DynamoRouter(rng, prefill_load_scale=8.0, queue_threshold=None),
+        # For LoRA workloads: sluice with the adapter term off, and llm-d with the lora-affinity-scorer.
+        "sluice-adapter-blind": SluiceRouter(PlacementPolicy(adapter_weight=0.0), rng),
+        "llm-d-lora": LlmdRouter(rng, lora_weight=4.0),
     }
     return routers[name]
 
 
 ROUTERS = ("sluice", "random", "round-robin", "least-loaded", "sglang", "llm-d", "dynamo", "dynamo-tuned")
+LORA_ROUTERS = ("sluice-adapter-blind", "llm-d-lora")

@@ -56,6 +56,12 @@ class ReplicaView(Protocol):
 
     def matched(self, blocks: tuple[str, ...]) -> int: ...
 
+    def held_adapters(self) -> frozenset[int]: ...
+
+    def active_adapters(self) -> frozenset[int]: ...
+
+    def waiting_adapters(self) -> frozenset[int]: ...
+
 
 @dataclass(eq=False)
 class Snapshot:
@@ -70,6 +76,9 @@ class Snapshot:
     completed_per_s: float = 0.0
     _prefill_tokens: int = 0
     _decode_blocks: int = 0
+    _held: frozenset[int] = frozenset()
+    _active: frozenset[int] = frozenset()
+    _waiting: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, replica: Replica) -> Snapshot:
@@ -105,6 +114,12 @@ class Snapshot:
         self.free_blocks = r.free_blocks
         self.completed_per_s = r.completed_per_s
         self._prefill_tokens, self._decode_blocks = r.prefill_tokens(), r.decode_blocks()
+        if r.model.max_loras:
+            self._held, self._active, self._waiting = (
+                r.held_adapters(),
+                r.active_adapters(),
+                r.waiting_adapters(),
+            )
 
     def placed(self, request: Request, record: bool = False) -> None:
         """Count a placement this router made since the report, as a gateway counts its own; `record`
@@ -129,3 +144,12 @@ class Snapshot:
 
     def matched(self, blocks: tuple[str, ...]) -> int:
         return leading_cached(self.published, blocks)
+
+    def held_adapters(self) -> frozenset[int]:
+        return self._held
+
+    def active_adapters(self) -> frozenset[int]:
+        return self._active
+
+    def waiting_adapters(self) -> frozenset[int]:
+        return self._waiting

@@ -152,3 +152,37 @@ def batch_flood(rate: float = 20.0, batch: int = 20_000, duration_s: float = 600
         yield from merged
 
     return Workload("batch-flood", duration_s, gen, f"{rate:g} req/s interactive + {batch} batch at t=60 s")
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    """Popularity of n items by rank under Zipf's law with exponent s (normalised)."""
+    raw = [1 / (k**s) for k in range(1, n + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def lora_zipf(
+    rate: float = 30.0, adapters: int = 50, zipf_s: float = 1.0, duration_s: float = 600.0
+) -> Workload:
+    """Many fine-tunes of one base: each request names one of `adapters` LoRA adapters, chosen by Zipf
+    popularity; each adapter has its own 500-1,000-token system prompt (its KV is the adapter's alone),
+    then a 100-400-token question; 100-300 tokens out."""
+
+    def gen(rng: random.Random) -> Iterator[Request]:
+        weights = zipf_weights(adapters, zipf_s)
+        systems = [rng.randint(500, 1000) // BLOCK * BLOCK for _ in range(adapters)]
+        for rid, t in enumerate(poisson_times(rng, lambda _: rate, rate, duration_s)):
+            adapter = rng.choices(range(adapters), weights)[0]
+            question = rng.randint(100, 400)
+            system = systems[adapter]
+            blocks = blocks_of(f"a{adapter}", 0, system // BLOCK) + blocks_of(f"q{rid}", 0, question // BLOCK)
+            yield Request(
+                rid, t, blocks, system + question, rng.randint(100, 300), tenant=adapter, max_tokens=512,
+                adapter=adapter,
+            )  # fmt: skip
+
+    return Workload(
+        "lora-zipf", duration_s, gen,
+        f"{adapters} adapters (Zipf s={zipf_s:g}), {rate:g} req/s, 500-1,000-token system prompt per "
+        "adapter, 100-400-token questions, 100-300 out",
+    )  # fmt: skip

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from bench.sim.engine import Replica, Request, TimingModel, leading_cached
+from bench.sim.engine import Replica, Request, Seq, TimingModel, leading_cached
 from bench.sim.fleet import FleetState, simulate
 from bench.sim.metrics import Sketch, Stats, percentile, summarize, violation_minutes
 from bench.sim.routers import ROUTERS, DynamoRouter, LlmdRouter, SglangRouter, make_router
@@ -154,6 +154,54 @@ def test_fcfs_never_preempts() -> None:
     replica.place(request(3, "j", 20, 1600, at=0.6), 0.6)
     drain(replica)
     assert replica.preemptions == 0
+
+
+def adapted(r: Request, adapter: int) -> Request:
+    r.adapter = adapter
+    return r
+
+
+def test_a_replica_loads_an_adapter_once_and_passes_over_a_third_while_two_run() -> None:
+    model = TimingModel(chunk_tokens=1000, prefill_per_token_s=0.0001, max_loras=2, adapter_load_s=0.05)
+    replica = Replica(0, model)
+    a, b = adapted(request(1, "a", 10, 50), 0), adapted(request(2, "b", 10, 50), 1)
+    c, a2 = adapted(request(3, "c", 10, 5), 2), adapted(request(4, "a2", 10, 5, at=0.001), 0)
+    for r in (a, b, c, a2):
+        replica.place(r, r.arrival)
+    # a and b run; c's adapter would be a third: it waits, and a2 (adapter 0, held) is admitted past it.
+    assert replica.active_adapters() == {0, 1}
+    assert [s.request for s in replica.waiting] == [c]
+    assert (a.adapter_loads, b.adapter_loads, a2.adapter_loads) == (1, 1, 0)
+    drain(replica)
+    assert a2.done < c.first_token  # c started only once an adapter's last request ended
+    assert c.adapter_loads == 1
+    assert replica.held_adapters() == {2, 0} or replica.held_adapters() == {2, 1}  # one evicted for c
+    assert replica.adapter_loads == 3
+    assert not replica.active_adapters()
+
+
+def test_a_load_costs_prefill_time() -> None:
+    model = TimingModel(chunk_tokens=1000, prefill_per_token_s=0.0001, max_loras=2, adapter_load_s=0.05)
+    plain, loaded = Replica(0, model), Replica(1, model)
+    base, adapted_one = request(1, "p", 10, 2), adapted(request(2, "p", 10, 2), 0)
+    run_alone(plain, base)
+    run_alone(loaded, adapted_one)
+    # 500 tokens of prefill time more: at 1,000 tokens a step that is about one more step.
+    assert adapted_one.first_token - base.first_token == pytest.approx(0.05, rel=0.2)
+
+
+def test_llm_d_lora_affinity_scores_as_the_gateway_scorer_does() -> None:
+    from bench.sim.routers import lora_affinity
+
+    model = TimingModel(max_loras=2)
+    replica = Replica(0, model)
+    replica.active.update({0: 1})
+    assert lora_affinity(replica, 0) == 1.0
+    assert lora_affinity(replica, 5) == 0.8  # room for one more
+    replica.active.update({1: 1})
+    assert lora_affinity(replica, 5) == 0.0
+    replica.waiting.append(Seq(adapted(request(9, "w", 1, 1), 5), 0))
+    assert lora_affinity(replica, 5) == 0.6
 
 
 def fleet_state(**kw: object) -> FleetState:
