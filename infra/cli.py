@@ -187,13 +187,18 @@ def plan_command(
     memory_utilization: Annotated[float, typer.Option()] = 0.90,
     overhead_gib: Annotated[float, typer.Option(help="activations and runtime per GPU, GiB")] = 3.0,
     max_num_seqs: Annotated[int, typer.Option(help="the engine's cap on concurrent sequences")] = 256,
+    max_loras: Annotated[int, typer.Option(help="LoRA adapter slots per replica (0: no adapters)")] = 0,
+    lora_rank: Annotated[int, typer.Option(help="the largest adapter rank (vLLM's max_lora_rank)")] = 16,
+    lora_modules: Annotated[
+        str, typer.Option(help="comma-separated target modules; `all`: the seven vLLM allocates slots for")
+    ] = "all",
 ) -> None:
     """Capacity arithmetic, step by step: KV bytes per token to replicas, GPUs and cost at peak."""
     from dataclasses import replace
 
     from rich.table import Table
 
-    from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
+    from scaler.plan import GPUS, LORA_MODULES, MODELS, Deployment, Workload, plan
 
     if model not in MODELS or gpu not in GPUS:
         console.print(f"unknown preset; models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}")
@@ -201,7 +206,12 @@ def plan_command(
     chosen_gpu = GPUS[gpu] if price is None else replace(GPUS[gpu], price_per_hour=price)
     workload = Workload(prompt_tokens, output_tokens, peak, headroom, decode_tps, ttft)
     try:
-        deployment = Deployment(tp, memory_utilization, overhead_gib, max_num_seqs)
+        modules = (
+            LORA_MODULES if lora_modules == "all" else tuple(m.strip() for m in lora_modules.split(",") if m)
+        )
+        deployment = Deployment(
+            tp, memory_utilization, overhead_gib, max_num_seqs, max_loras, lora_rank, modules
+        )
         result = plan(MODELS[model], chosen_gpu, workload, deployment)
     except ValueError as exc:
         console.print(f"[red]{exc}[/]")

@@ -19,6 +19,8 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_dim: int
+    hidden: int = 0
+    intermediate: int = 0
     dtype_bytes: int = 2  # bf16
 
     @property
@@ -29,6 +31,27 @@ class ModelShape:
     @property
     def weight_bytes(self) -> float:
         return self.params_billion * 1e9 * self.dtype_bytes
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(inputs, outputs) of a projection a LoRA adapter can target."""
+        kv = self.kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden, self.hidden), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+            "o_proj": (self.hidden, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden),
+        }  # fmt: skip
+        if module not in shapes:
+            raise ValueError(f"unknown LoRA target module {module!r}; known: {', '.join(shapes)}")
+        return shapes[module]
+
+    def adapter_bytes(self, rank: int, modules: tuple[str, ...]) -> int:
+        """One adapter slot: A (rank x inputs) and B (outputs x rank) per module and layer."""
+        per_layer = sum(rank * sum(self.module_shape(m)) for m in modules)
+        return self.layers * per_layer * self.dtype_bytes
+
+
+# What vLLM allocates a LoRA slot for: every projection of a Llama-style layer, at max_lora_rank.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -54,12 +77,15 @@ class Deployment:
     gpu_memory_utilization: float = 0.90
     overhead_gib_per_gpu: float = 3.0  # activations, CUDA graphs, runtime
     max_num_seqs: int = 256
+    max_loras: int = 0  # LoRA adapter slots (vLLM preallocates them)
+    lora_rank: int = 16
+    lora_modules: tuple[str, ...] = LORA_MODULES
 
 
 MODELS = {
-    "llama-70b": ModelShape("llama-70b", 70.6, 80, 8, 128),
-    "llama-8b": ModelShape("llama-8b", 8.0, 32, 8, 128),
-    "qwen-32b": ModelShape("qwen-32b", 32.8, 64, 8, 128),
+    "llama-70b": ModelShape("llama-70b", 70.6, 80, 8, 128, hidden=8192, intermediate=28672),
+    "llama-8b": ModelShape("llama-8b", 8.0, 32, 8, 128, hidden=4096, intermediate=14336),
+    "qwen-32b": ModelShape("qwen-32b", 32.8, 64, 8, 128, hidden=5120, intermediate=27648),
 }
 GPUS = {
     "h100": Gpu("H100 80GB", 80.0, 2.50),
@@ -74,6 +100,7 @@ class Plan:
     workload: Workload
     deployment: Deployment
     kv_bytes_per_token: int
+    adapter_bytes: int
     replica_memory_bytes: float
     kv_budget_bytes: float
     kv_token_capacity: int
@@ -88,14 +115,18 @@ class Plan:
     def steps(self) -> list[tuple[str, str, str]]:
         """(quantity, value, how) for each step, in order."""
         m, g, w, d = self.model, self.gpu, self.workload, self.deployment
-        return [
+        rows = [
             ("KV bytes per token", f"{self.kv_bytes_per_token / 1024:.0f} KiB",
              f"2 x {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} x {m.dtype_bytes} B"),
             ("weights", f"{m.weight_bytes / GIB:.1f} GiB", f"{m.params_billion}B params x {m.dtype_bytes} B"),
             ("replica memory", f"{self.replica_memory_bytes / GIB:.1f} GiB",
              f"{d.tensor_parallel} x {g.memory_gib} GiB x {d.gpu_memory_utilization}"),
+            ("LoRA adapter slots", f"{d.max_loras * self.adapter_bytes / GIB:.2f} GiB",
+             f"{d.max_loras} x {self.adapter_bytes / 2**20:.0f} MiB (rank {d.lora_rank} x (in + out) of "
+             f"{', '.join(d.lora_modules)} x {m.layers} layers x {m.dtype_bytes} B)"),
             ("KV budget", f"{self.kv_budget_bytes / GIB:.1f} GiB",
-             f"replica memory - weights - {d.tensor_parallel} x {d.overhead_gib_per_gpu} GiB overhead"),
+             f"replica memory - weights - {d.tensor_parallel} x {d.overhead_gib_per_gpu} GiB overhead "
+             "- LoRA slots"),
             ("KV token capacity", f"{self.kv_token_capacity:,}", "KV budget / KV bytes per token"),
             ("tokens per request", f"{self.tokens_per_request:,}",
              f"{w.prompt_tokens} prompt + {w.output_tokens} output"),
@@ -111,13 +142,17 @@ class Plan:
             ("cost per million output tokens", f"${self.cost_per_million_output_tokens:.2f}",
              f"{d.tensor_parallel} GPUs x ${g.price_per_hour}/h / output tokens per replica-hour"),
         ]  # fmt: skip
+        return [row for row in rows if d.max_loras or not row[0].startswith("LoRA")]
 
 
 def plan(model: ModelShape, gpu: Gpu, workload: Workload, deployment: Deployment) -> Plan:
     kv_per_token = model.kv_bytes_per_token
     replica_memory = deployment.tensor_parallel * gpu.memory_gib * GIB * deployment.gpu_memory_utilization
     overhead = deployment.tensor_parallel * deployment.overhead_gib_per_gpu * GIB
-    kv_budget = replica_memory - model.weight_bytes - overhead
+    adapter = (
+        model.adapter_bytes(deployment.lora_rank, deployment.lora_modules) if deployment.max_loras else 0
+    )
+    kv_budget = replica_memory - model.weight_bytes - overhead - deployment.max_loras * adapter
     if kv_budget <= 0:
         raise ValueError(
             f"{model.name} does not fit on {deployment.tensor_parallel} x {gpu.name}: "
@@ -134,6 +169,6 @@ def plan(model: ModelShape, gpu: Gpu, workload: Workload, deployment: Deployment
     output_per_replica_hour = rate * workload.output_tokens * 3600
     cost = deployment.tensor_parallel * gpu.price_per_hour / output_per_replica_hour * 1e6
     return Plan(
-        model, gpu, workload, deployment, kv_per_token, replica_memory, kv_budget, kv_tokens, per_request,
-        concurrent, seconds, rate, replicas, replicas * deployment.tensor_parallel, cost,
+        model, gpu, workload, deployment, kv_per_token, adapter, replica_memory, kv_budget, kv_tokens,
+        per_request, concurrent, seconds, rate, replicas, replicas * deployment.tensor_parallel, cost,
     )  # fmt: skip

@@ -56,3 +56,18 @@ def test_sluice_plan_prints_the_chain() -> None:
         assert expected in result.output
     unknown = CliRunner().invoke(app, ["plan", "--model", "nope"])
     assert unknown.exit_code == 2
+
+
+def test_lora_slots_come_out_of_the_kv_budget() -> None:
+    m = MODELS["llama-70b"]
+    # q and v at rank 16: 16 x ((8192 + 8192) + (8192 + 1024)) per layer x 80 layers x 2 B = 65,536,000 B
+    assert m.adapter_bytes(16, ("q_proj", "v_proj")) == 65_536_000
+    slots = Deployment(max_loras=8, lora_rank=16, lora_modules=("q_proj", "v_proj"))
+    with_loras = plan(m, GPUS["h100"], Workload(), slots)
+    without = plan(m, GPUS["h100"], Workload(), Deployment())
+    assert without.kv_budget_bytes - with_loras.kv_budget_bytes == 8 * 65_536_000
+    assert with_loras.kv_token_capacity == (155_152_743_424 - 8 * 65_536_000) // 327_680
+    assert any(row[0] == "LoRA adapter slots" for row in with_loras.steps())
+    assert not any(row[0].startswith("LoRA") for row in without.steps())
+    with pytest.raises(ValueError, match="unknown LoRA target module"):
+        m.adapter_bytes(8, ("lm_head",))
