@@ -74,7 +74,7 @@ def report_body(report: PoolReport) -> dict[str, Any]:
 
 
 def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
-    """One worker's line: KV use, running and waiting requests, prefix-cache hits."""
+    """One worker's line: KV use, running and waiting requests, prefix-cache hits, LoRA adapters held."""
     total = hb.kv_blocks_total
     return {
         "worker": hb.worker_id,
@@ -88,6 +88,7 @@ def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
         "decode_tokens_per_s": round(hb.decode_tokens_per_s, 1),
         "completed_per_s": round(hb.completed_per_s, 3),
         "preemptions": hb.preemptions,
+        "adapters": list(hb.adapters),
         "spec_decoding": hb.spec_decoding,
         "heartbeat_age_s": round(max(0.0, now - hb.sent_at), 2),
     }

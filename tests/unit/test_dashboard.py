@@ -18,7 +18,8 @@ from tests.unit.test_scaler_parts import beat
 def report(lag: int, ready: int, workers: int = 2) -> PoolReport:
     beats = [
         beat(f"w{i}", running=3, waiting=1, inbox_pending=1, completed_per_s=1.5, kv_blocks_free=4,
-             prefix_query_tokens=200, prefix_hit_tokens=150, sent_at=1000.0 - i, preemptions=7 * i)
+             prefix_query_tokens=200, prefix_hit_tokens=150, sent_at=1000.0 - i, preemptions=7 * i
+        ).model_copy(update={"adapters": ("sql", "poem")[:i]})
         for i in range(workers)
     ]  # fmt: skip
     signals = PoolSignals(1000.0, lag + 5, 2.5, 0.0, ready, 1, 0, 2.0, 120.0)
@@ -55,6 +56,7 @@ def test_dashboard_body_carries_pool_figures_history_and_workers() -> None:
     assert w0["prefix_hit"] == 0.75
     assert w1["heartbeat_age_s"] == 2.0
     assert (w0["preemptions"], w1["preemptions"]) == (0, 7)
+    assert (w0["adapters"], w1["adapters"]) == ([], ["sql"])
 
 
 def test_a_worker_without_lookups_or_blocks_shows_no_ratio() -> None:
