@@ -59,7 +59,6 @@ class DispatcherSettings(BusSettings):
     )
     min_queue: int = Field(default=2, gt=0, description="derived queue depth: at least this many")
     expected_output_tokens: int = Field(default=256, gt=0)
-    batch_headroom_fraction: float = Field(default=0.25, ge=0, lt=1)
     spill_tokens: int = Field(
         default=2048, ge=0, description="hold a request rather than prefill this many more tokens elsewhere"
     )

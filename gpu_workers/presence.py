@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -68,13 +69,27 @@ class Ready:
     arrival: int  # the order it was read in
 
 
-def next_to_start(ready: Sequence[Ready], running_by_team: Mapping[str, int]) -> int:
-    """Which of the ready entries a free slot takes (its index; `ready` is not empty): the lowest band
-    (interactive tiers, then batch); within it, the team with the fewest requests running on this
-    worker, so a team that holds its slots does not also take the next one from a team that holds none;
-    then the lowest fair tag (the dispatcher's order), then the order read. Pure."""
+def batch_slots(max_running: int, headroom: float) -> int:
+    """How many of a worker's slots batch requests may hold at once: what the batch headroom leaves,
+    at least one. The dispatchers place by the same rule; the worker holds to it as well, since two
+    dispatchers placing between two heartbeats can each fill the same room. Pure."""
+    return max(1, math.floor(max_running * (1 - headroom) + 1e-9))
+
+
+def next_to_start(
+    ready: Sequence[Ready], running_by_team: Mapping[str, int], batch_room: bool = True
+) -> int | None:
+    """Which of the ready entries a free slot takes (its index), if any: the lowest band (interactive
+    tiers, then batch, and batch only while `batch_room`); within it, the team with the fewest requests
+    running on this worker, so a team that holds its slots does not also take the next one from a team
+    that holds none; then the lowest fair tag (the dispatcher's order), then the order read. Pure."""
+    candidates = [
+        i for i in range(len(ready)) if batch_room or ready[i].request.priority is Priority.INTERACTIVE
+    ]
+    if not candidates:
+        return None
     return min(
-        range(len(ready)),
+        candidates,
         key=lambda i: (
             ready[i].request.band,
             running_by_team.get(ready[i].request.team, 0),
@@ -100,9 +115,8 @@ def next_light(ready: Sequence[Ready], running_by_team: Mapping[str, int], slots
         for i, r in enumerate(ready)
         if r.request.priority is Priority.INTERACTIVE and under_share(r.request.team, running_by_team, slots)
     ]
-    if not eligible:
-        return None
-    return eligible[next_to_start([ready[i] for i in eligible], running_by_team)]
+    chosen = next_to_start([ready[i] for i in eligible], running_by_team)
+    return None if chosen is None else eligible[chosen]
 
 
 def engine_load(stats: EngineStats, handed: int) -> EngineStats:

@@ -29,6 +29,7 @@ from gpu_workers.presence import (
     CompletionRate,
     Ready,
     Vitals,
+    batch_slots,
     beat_forever,
     engine_load,
     heartbeat,
@@ -54,6 +55,7 @@ from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,
     InferenceRequest,
+    Priority,
     TokenChunk,
     WorkerState,
 )
@@ -100,6 +102,8 @@ class Worker:
         self._arrivals = itertools.count()
         self._team_of: dict[str, str] = {}  # request id -> team, of the requests running here
         self._running_by_team: Counter[str] = Counter()
+        self._batch_running: set[str] = set()  # request ids of the batch requests running here
+        self.batch_slots = batch_slots(max_running, settings.batch_headroom_fraction)
         self._hb_seq = 0
         self._beat_soon = asyncio.Event()
         self.inbox = Inbox(redis, self.names, settings.worker_id)
@@ -224,11 +228,13 @@ class Worker:
         self._inbox_seen_empty = not entries and not self._ready
 
     def _start_ready(self) -> None:
-        """Fill free slots from the ready entries: a stated slot takes the best of them
-        (`next_to_start`), a light slot only an interactive entry of a team under its share (`next_light`)."""
+        """Fill free slots from the ready entries: a stated slot takes the best of them (`next_to_start`;
+        a batch entry only while batch holds fewer than `batch_slots`), a light slot only an interactive
+        entry of a team under its share (`next_light`)."""
         while self._ready:
             if len(self._tasks) < self.max_running:
-                chosen: int | None = next_to_start(self._ready, self._running_by_team)
+                room = len(self._batch_running) < self.batch_slots
+                chosen: int | None = next_to_start(self._ready, self._running_by_team, room)
             elif len(self._tasks) < self.max_running + self.light_slots:
                 chosen = next_light(self._ready, self._running_by_team, self.max_running)
             else:
@@ -280,6 +286,8 @@ class Worker:
 
     def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
         self._team_of[request.request_id] = request.team
+        if request.priority is Priority.BATCH:
+            self._batch_running.add(request.request_id)
         self._running_by_team[request.team] += 1
         self._spawn(request.request_id, self._serve(request, entry_id))
 
@@ -290,6 +298,7 @@ class Worker:
 
     def _ended(self, key: str) -> None:
         self._tasks.pop(key, None)
+        self._batch_running.discard(key)
         team = self._team_of.pop(key, None)
         if team is not None:
             self._running_by_team[team] -= 1

@@ -27,6 +27,13 @@ class BusSettings(BaseSettings):
     kafka_heartbeat_interval_ms: int = Field(default=3_000, gt=0)
     kafka_request_timeout_ms: int = Field(default=10_000, gt=0)
     redis_max_connections: int = Field(default=64, gt=0)
+    batch_headroom_fraction: float = Field(
+        default=0.25,
+        ge=0,
+        lt=1,
+        description="share of each worker's running slots (and KV blocks) batch requests leave to "
+        "interactive ones: dispatchers place batch only into the rest, and workers start batch only there",
+    )
     connect_attempts: int = Field(
         default=30, gt=0, description="start-up retries before giving up on the bus"
     )

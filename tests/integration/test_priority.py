@@ -149,6 +149,36 @@ async def test_a_worker_starts_the_best_of_the_requests_queued_in_its_inbox(bus:
         ]  # fmt: skip
 
 
+async def test_batch_requests_placed_past_the_headroom_wait_at_the_worker(bus: Bus) -> None:
+    """Six batch requests in the inbox of a four-slot worker (as two dispatchers placing between two
+    heartbeats can leave it): the worker runs three (the headroom of 0.25 leaves one slot), so an
+    interactive request placed after them starts at once, before the fourth batch request."""
+    async with pipeline(bus, engine=SimulatedEngineConfig(ttft_ms=5, token_ms=15, max_running=4)) as p:
+        names = p.settings.names
+        batch = [
+            request(f"batch-00000{i}", "acme").model_copy(
+                update={
+                    "priority": Priority.BATCH,
+                    "sampling": make_request("sim", "x" * 12, max_tokens=40).sampling,
+                }
+            )
+            for i in range(1, 7)
+        ]
+        urgent = request("urgent-00001", "acme")
+        ready = asyncio.Event()
+        expected = {r.request_id for r in [*batch, urgent]}
+        watching = asyncio.create_task(start_order(p, expected, ready, within_s=30))
+        await ready.wait()
+        for r in [*batch, urgent]:
+            if r is urgent:
+                await asyncio.sleep(0.2)  # the batch requests hold what they may
+            await p.redis.set(names.placement(r.request_id), p.worker_id, px=60_000)
+            await p.redis.xadd(names.inbox(p.worker_id), {"m": encode(r)})
+        order = await watching
+        assert set(order[:3]) <= {r.request_id for r in batch}
+        assert order[3] == "urgent-00001"
+
+
 async def test_a_team_of_weight_three_gets_three_turns_for_each_of_a_team_of_weight_one(bus: Bus) -> None:
     async with pipeline(bus, engine=ONE_AT_A_TIME, weights_refresh_s=0.2) as p:
         names = p.settings.names

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gpu_workers.engine import EarlyStart, EngineError, EngineOutput, EngineStats
-from gpu_workers.presence import Ready, engine_load, next_light, next_to_start, under_share
+from gpu_workers.presence import Ready, batch_slots, engine_load, next_light, next_to_start, under_share
 from gpu_workers.starting import start_refusal
 from queue_schemas.messages import FinishReason, InferenceRequest, Priority, SamplingParams
 
@@ -123,11 +123,20 @@ def test_a_free_slot_takes_the_band_then_the_team_with_least_running_here_then_t
         ready("c", "flood", tag=50, at=3),
     ]
     # flood holds 7 of this worker's slots, quiet none: quiet's request first, whatever the tags.
-    assert queued[next_to_start(queued, {"flood": 7})].request.team == "quiet"
+    assert next_to_start(queued, {"flood": 7}) == 2
     # Nobody running here: the lowest fair tag, then the order read.
-    assert queued[next_to_start(queued, {})].request.request_id == "c" * 8
-    # Batch only when no interactive request is ready.
+    assert next_to_start(queued, {}) == 3
+    # Batch only when no interactive request is ready, and only while batch has room on the worker.
     assert next_to_start([queued[0]], {}) == 0
+    assert next_to_start([queued[0]], {}, batch_room=False) is None
+    assert next_to_start(queued, {}, batch_room=False) == 3
+
+
+def test_batch_holds_what_the_headroom_leaves_of_the_slots_and_at_least_one() -> None:
+    assert batch_slots(8, 0.25) == 6
+    assert batch_slots(8, 0.875) == 1
+    assert batch_slots(1, 0.5) == 1
+    assert batch_slots(64, 0.0) == 64
 
 
 def test_a_team_is_under_its_share_below_an_equal_split_among_the_teams_running_here() -> None:
