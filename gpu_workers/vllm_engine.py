@@ -23,7 +23,7 @@ import structlog
 from gpu_workers.adapters import AdapterLru
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.kv_translate import KvTranslator, salt_of
-from queue_schemas.config import PoolConfig, VllmEngineConfig
+from queue_schemas.config import AdapterConfig, PoolConfig, VllmEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest
 from queue_schemas.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 
@@ -104,6 +104,23 @@ def lora_arguments(pool: PoolConfig, on_gpu: bool) -> dict[str, Any]:
         "max_cpu_loras": slots,
         "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
     }
+
+
+def check_adapter(adapter: AdapterConfig, folder: Path) -> None:
+    """The adapter's files are PEFT's LoRA layout and its rank fits the configured one (vLLM's
+    max_lora_rank comes from the configuration, and a larger adapter would fail on its first request)."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        rank = int(config["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelSourceError(f"adapter {adapter.name}: unreadable adapter_config.json ({exc})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ModelSourceError(f"adapter {adapter.name}: peft_type {config.get('peft_type')!r} is not LORA")
+    if rank > adapter.rank:
+        raise ModelSourceError(
+            f"adapter {adapter.name}: its rank is {rank}, above the configured rank {adapter.rank}; "
+            f"set rank = {rank} for it in the pool"
+        )
 
 
 BASE_ADAPTER = "sluice-base"
@@ -218,9 +235,9 @@ class VllmEngine:
         try:
             self.model_dir = await asyncio.to_thread(self._store.resolve, config.source)
             for adapter in self._pool.adapters:
-                self._adapter_dirs[adapter.name] = await asyncio.to_thread(
-                    self._store.resolve, adapter.source, None, ADAPTER_FILES
-                )
+                folder = await asyncio.to_thread(self._store.resolve, adapter.source, None, ADAPTER_FILES)
+                check_adapter(adapter, folder)
+                self._adapter_dirs[adapter.name] = folder
         except ModelSourceError as exc:
             raise EngineError(f"model not available: {exc}") from None
         try:

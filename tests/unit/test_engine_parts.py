@@ -12,6 +12,7 @@ from gpu_workers.engine import EngineError
 from gpu_workers.kv_translate import KvTranslator
 from gpu_workers.vllm_engine import (
     EngineFigures,
+    check_adapter,
     cpu_thread_binding,
     engine_arguments,
     finish_reason,
@@ -28,6 +29,7 @@ from queue_schemas.messages import (
     SamplingParams,
     StructuredOutput,
 )
+from queue_schemas.model_store import ModelSourceError
 from queue_schemas.prefix import block_hashes
 
 
@@ -215,3 +217,19 @@ def test_a_pool_with_adapters_enables_lora_with_a_rank_vllm_accepts_and_a_base_s
     assert lora_arguments(pool, on_gpu=False)["max_loras"] == 4  # one more, for the base adapter
     assert "enable_lora" not in engine_arguments(_pool(), Path("/m"), False, None, on_gpu=True)
     assert pool.adapter_id("s-b") == 2
+
+
+def test_an_adapter_of_a_larger_rank_than_configured_is_refused_at_start(tmp_path: Path) -> None:
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    adapter = AdapterConfig(name="s-a", source=str(folder), rank=8)
+    with pytest.raises(ModelSourceError, match=r"unreadable adapter_config\.json"):
+        check_adapter(adapter, folder)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 16}))
+    with pytest.raises(ModelSourceError, match="set rank = 16"):
+        check_adapter(adapter, folder)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING", "r": 4}))
+    with pytest.raises(ModelSourceError, match="is not LORA"):
+        check_adapter(adapter, folder)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    check_adapter(adapter, folder)
