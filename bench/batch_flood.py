@@ -14,7 +14,9 @@ Engines (`--engine`):
 `--scheduling` sets the engine's scheduling (`priority`, the default: interactive requests go ahead of
 batch requests inside the engine, and preempt them when KV blocks run out; `fcfs`: arrival order).
 `--headroom` is the share of each worker's slots and KV blocks batch placement leaves to interactive
-requests (the dispatcher's batch_headroom_fraction, 0.25 by default).
+requests (batch_headroom_fraction of dispatchers and workers, 0.25 by default). `--light-slots` sets the
+pool's light slots (2 by default; they serve interactive requests of teams under their share, and
+here the interactive and batch requests are one team's).
 
 Printed: p50/p90/p99 TTFT of both phases and their ratio, the batch answers delivered during phase 2 and
 their tokens per second (what batch gets from the room interactive load leaves), and the engine's
