@@ -130,15 +130,23 @@ def placement_row(name: str, results: list[Result]) -> str:
     )
 
 
-def run_table(title: str, runs: dict[str, list[Run]], pool: ProcessPoolExecutor) -> dict[str, list[Result]]:
+def run_table(
+    title: str,
+    runs: dict[str, list[Run]],
+    pool: ProcessPoolExecutor,
+    header: str = PLACEMENT_HEADER,
+    row: Callable[[str, list[Result]], str] = placement_row,
+) -> dict[str, list[Result]]:
+    """Run every row's seeds in the pool and print the table (`header`, one `row` per name) as results
+    come in."""
     futures = {name: [pool.submit(run_one, r) for r in rs] for name, rs in runs.items()}
     print(f"\n**{title}**\n")
-    print(PLACEMENT_HEADER)
-    print("| --- " * 9 + "|")
+    print(header)
+    print("| --- " * (header.count("|") - 1) + "|")
     results = {}
     for name, fs in futures.items():
         results[name] = [f.result() for f in fs]
-        print(placement_row(name, results[name]), flush=True)
+        print(row(name, results[name]), flush=True)
     return results
 
 
@@ -257,21 +265,14 @@ def lora(args: argparse.Namespace) -> None:
             for rate in args.lora_rates:
                 kwargs = (("rate", rate), ("duration_s", args.duration))
                 w = lora_zipf(rate=rate, duration_s=args.duration)
-                futures = {
-                    router: [
-                        pool.submit(run_one, Run("lora-zipf", kwargs, router, s, views, 8, args.heartbeat_s,
-                                                 max_loras=8))
-                        for s in args.seeds
-                    ]
+                runs = {
+                    router: [Run("lora-zipf", kwargs, router, s, views, 8, args.heartbeat_s, max_loras=8)
+                             for s in args.seeds]
                     for router in routers
                 }  # fmt: skip
-                print(
-                    f"\n**{w.description}; 8 replicas x 8 adapters, {w.duration_s:.0f} s; {views} views**\n"
-                )
-                print(LORA_HEADER)
-                print("| --- " * 8 + "|")
-                for router, fs in futures.items():
-                    print(lora_row(router, [f.result() for f in fs], w.duration_s / 60), flush=True)
+                title = f"{w.description}; 8 replicas x 8 adapters, {w.duration_s:.0f} s; {views} views"
+                row = functools.partial(lora_row, minutes=w.duration_s / 60)
+                run_table(title, runs, pool, LORA_HEADER, row)
 
 
 SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-tokens")
