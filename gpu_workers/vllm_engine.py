@@ -134,12 +134,14 @@ def zero_adapter(like: Path, dest: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    weights = dest / "adapter_model.safetensors"
-    if not weights.exists():
+    weights, config = dest / "adapter_model.safetensors", dest / "adapter_config.json"
+    wanted = (like / "adapter_config.json").read_text()
+    # Made again when the adapter it copies changed (another rank or modules), else re-used.
+    if not weights.exists() or not config.exists() or config.read_text() != wanted:
         dest.mkdir(parents=True, exist_ok=True)
-        (dest / "adapter_config.json").write_text((like / "adapter_config.json").read_text())
         tensors = load_file(str(like / "adapter_model.safetensors"))
         save_file({name: torch.zeros_like(t) for name, t in tensors.items()}, str(weights))
+        config.write_text(wanted)
     return dest
 
 

@@ -19,6 +19,7 @@ from gpu_workers.vllm_engine import (
     lora_arguments,
     sampling_arguments,
     speculative_config,
+    zero_adapter,
 )
 from infra.install_engine import cpu_requirements
 from queue_schemas.config import AdapterConfig, ConfigError, PoolConfig, VllmEngineConfig, parse_config
@@ -233,3 +234,20 @@ def test_an_adapter_of_a_larger_rank_than_configured_is_refused_at_start(tmp_pat
         check_adapter(adapter, folder)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
     check_adapter(adapter, folder)
+
+
+def test_the_zero_adapter_copies_the_shapes_and_is_made_again_when_they_change(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    like, dest = tmp_path / "like", tmp_path / "zero"
+    like.mkdir()
+    (like / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    save_file({"a": torch.ones(2, 4)}, str(like / "adapter_model.safetensors"))
+    zero_adapter(like, dest)
+    assert torch.equal(load_file(str(dest / "adapter_model.safetensors"))["a"], torch.zeros(2, 4))
+    (like / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    save_file({"a": torch.ones(4, 4)}, str(like / "adapter_model.safetensors"))
+    zero_adapter(like, dest)
+    assert load_file(str(dest / "adapter_model.safetensors"))["a"].shape == (4, 4)
+    assert json.loads((dest / "adapter_config.json").read_text())["r"] == 4
