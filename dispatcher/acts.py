@@ -1,4 +1,4 @@
-"""What the dispatcher writes: a placement (record and inbox entry in one script) and dead letters."""
+"""What the dispatcher writes: a placement (the request's claim, then its inbox entry) and dead letters."""
 
 from __future__ import annotations
 
@@ -15,27 +15,47 @@ from dispatcher.settings import DispatcherSettings
 from queue_schemas.clients import BusUnavailable
 from queue_schemas.codec import encode
 from queue_schemas.deadletter import send_dead_letter
+from queue_schemas.names import INBOX_FIELD, Names
 
 log = structlog.get_logger("sluice.dispatcher")
 
-# KEYS: placement record, cancelled mark, worker inbox, replay log.
-# ARGV: worker id, record ttl ms, message, inbox max length, lost worker it moves from ('' if new),
-# and for a move, how many chunks the replay log held when the move was decided.
-# A move goes ahead only while the lost worker still owns the request and its log is as it was read
-# ('changed' otherwise: the log is read again); the new owner fences the old one out of the log.
+# KEYS: placement record, cancelled mark, replay log, started mark, answered mark (one request's slot).
+# ARGV: worker id, record ttl ms, lost worker it moves from ('' if new), and for a move, how many chunks
+# the replay log held when the move was decided.
+# Claims the request for the worker: 'placed', then the dispatcher appends it to the worker's inbox (the
+# worker's slot, so a second step). A move goes ahead only while the lost worker still owns the request
+# and its log is as it was read ('changed' otherwise: the log is read again); the new owner fences the
+# old one out of the log. A request claimed earlier that no worker has started or answered returns
+# 'owned' and its owner: the claim may have been made by a dispatcher that died before the append, so
+# the append is made again (a worker drops a request it already holds).
 PLACE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 'cancelled' end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled', ''} end
 local owner = redis.call('GET', KEYS[1])
-if ARGV[5] == '' then
-  if owner then return 'duplicate' end
+if ARGV[3] == '' then
+  if owner then
+    if redis.call('EXISTS', KEYS[4]) == 1 or redis.call('EXISTS', KEYS[5]) == 1 then
+      return {'duplicate', owner}
+    end
+    return {'owned', owner}
+  end
 else
-  if owner and owner ~= ARGV[5] then return 'duplicate' end
-  if redis.call('HLEN', KEYS[4]) ~= tonumber(ARGV[6]) then return 'changed' end
+  if owner and owner ~= ARGV[3] then return {'duplicate', owner} end
+  if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return {'changed', ''} end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'm', ARGV[3])
-return 'placed'
+return {'placed', ARGV[1]}
 """
+
+
+def place_keys(names: Names, request_id: str) -> list[str]:
+    """KEYS of PLACE_SCRIPT."""
+    return [
+        names.placement(request_id),
+        names.cancelled(request_id),
+        names.replay(request_id),
+        names.started(request_id),
+        names.answered(request_id),
+    ]
 
 
 class Acts:
@@ -50,32 +70,36 @@ class Acts:
         self.names = settings.names
         self.producer = producer
         self.consumer_id = consumer_id
+        self._redis = redis
         self._place = redis.register_script(PLACE_SCRIPT)
 
     async def place(self, held: Held, decision: Decision, logged: int = 0) -> str:
-        """Record the placement and append the request to the worker's inbox, atomically: 'placed', or
-        'duplicate', 'cancelled' or 'changed' (a moved request whose log grew since it held `logged`)."""
+        """Claim the request for the decided worker, then append it to that worker's inbox: 'placed'; or
+        'redelivered' (claimed earlier, never started: appended again to its owner's inbox), 'duplicate',
+        'cancelled' or 'changed' (a moved request whose log grew since it held `logged`)."""
         request = held.request
         names = self.names
         rid = request.request_id
         assert decision.worker_id is not None
-        outcome = await self._place(
-            keys=[
-                names.placement(rid),
-                names.cancelled(rid),
-                names.inbox(decision.worker_id),
-                names.replay(rid),
-            ],
+        reply = await self._place(
+            keys=place_keys(names, rid),
             args=[
                 decision.worker_id,
                 self.settings.placement_ttl_s * 1000,
-                encode(request),
-                self.settings.inbox_max_len,
                 held.moved_from or "",
                 logged,
             ],
         )
-        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        outcome, owner = (_text(part) for part in reply)
+        if outcome not in ("placed", "owned"):
+            return outcome
+        await self._redis.xadd(
+            names.inbox(owner),
+            {INBOX_FIELD: encode(request)},
+            maxlen=self.settings.inbox_max_len,
+            approximate=True,
+        )
+        return "placed" if outcome == "placed" else "redelivered"
 
     async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
         """Send the record to the dead-letter topic; BusUnavailable if the broker does not take it."""
@@ -93,3 +117,7 @@ class Acts:
             offset=record.offset,
             reason=reason,
         )
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -7,7 +7,7 @@ RECEIVED = Counter(
 OUTCOMES = Counter(
     "sluice_dispatcher_outcomes_total",
     "Requests leaving the dispatcher other than by placement",
-    ["pool", "outcome"],  # duplicate, cancelled, timeout, dead_letter, worker_lost
+    ["pool", "outcome"],  # duplicate, redelivered, cancelled, timeout, dead_letter, worker_lost
 )
 DECISION_SECONDS = Histogram(
     "sluice_dispatcher_decision_seconds",

@@ -15,7 +15,7 @@ import structlog
 from queue_schemas.codec import decode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import InferenceRequest
-from queue_schemas.names import Names
+from queue_schemas.names import INBOX_FIELD, Names
 
 log = structlog.get_logger("sluice.dispatcher.recovery")
 
@@ -32,7 +32,7 @@ async def take_over(
     requests = []
     for entry_id, fields in entries:
         try:
-            requests.append(decode(InferenceRequest, (fields or {}).get(b"m", b"")))
+            requests.append(decode(InferenceRequest, (fields or {}).get(INBOX_FIELD, b"")))
         except SchemaError as exc:
             log.error(
                 "dropping unreadable inbox entry", worker=worker_id, entry=str(entry_id), reason=str(exc)

@@ -41,7 +41,7 @@ from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
 from queue_schemas.answers import AnswerSink
-from queue_schemas.clients import BusUnavailable
+from queue_schemas.clients import BusUnavailable, mget_any
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
@@ -291,7 +291,7 @@ class Dispatcher:
             return False  # the lost worker's log grew meanwhile: read again next round
         metrics.OUTCOMES.labels(self.pool, outcome).inc()
         if outcome == "cancelled":
-            await settle(self.redis, self.names, request.request_id, 0)
+            await settle(self.redis, self.names, request.team, request.request_id, 0)
         self._finish(held)
         return True
 
@@ -313,7 +313,7 @@ class Dispatcher:
             return None
         metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
         log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=move.reason)
-        await settle(self.redis, self.names, lost.request_id, move.used_tokens)
+        await settle(self.redis, self.names, lost.team, lost.request_id, move.used_tokens)
         message = f"the worker serving the request was lost, and {move.reason}"
         self._answer_soon(
             held, partial(self._answer_error, lost, ErrorCode.WORKER_LOST, message, move.logged)
@@ -335,7 +335,7 @@ class Dispatcher:
     async def _expire(self) -> None:
         for held in self.hold.expired(time.time()):
             # Settled before it leaves the hold: if Redis fails here, the next round tries again.
-            await settle(self.redis, self.names, held.request.request_id, 0)
+            await settle(self.redis, self.names, held.request.team, held.request.request_id, 0)
             late = "no worker could take the request in time"
             resume = held.request.resume  # a moved request's error follows what its client has
             seq = 0 if resume is None else resume.next_seq
@@ -437,7 +437,7 @@ class Dispatcher:
             teams = sorted(self.hold.teams())
             if teams:
                 try:
-                    raw = await self.redis.mget([self.names.team(t) for t in teams])
+                    raw = await mget_any(self.redis, [self.names.team(t) for t in teams])
                     self.hold.set_weights(team_weights(teams, raw))
                 except RedisError as exc:
                     log.warning("team weights not read", error=str(exc))
@@ -467,7 +467,7 @@ class Dispatcher:
             if held.partition is not None and held.offset is not None:
                 self.offsets.closed(held.partition, held.offset)
             metrics.OUTCOMES.labels(self.pool, "cancelled").inc()
-            await settle(self.redis, self.names, notice.request_id, 0)
+            await settle(self.redis, self.names, held.request.team, notice.request_id, 0)
 
     # answers
     async def _answer_error(self, request: InferenceRequest, code: str, message: str, seq: int = 0) -> None:
@@ -478,5 +478,5 @@ class Dispatcher:
             return
         chunk = ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
         ttl = log_ttl_ms(request.deadline, time.time(), terminal=True)
-        keys, args = chunk_args(self.names, chunk, encode(chunk), "", ttl, publish=True)
+        keys, args = chunk_args(self.names, chunk, encode(chunk), "", ttl, self.settings.stream_publish)
         await self._log_chunk(keys=keys, args=args)

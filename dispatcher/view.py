@@ -15,6 +15,7 @@ import structlog
 from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
 from dispatcher.table import Floats, WorkerTable, choose_fast
+from queue_schemas.clients import xread_any
 from queue_schemas.codec import decode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import Heartbeat, KvEvent, KvSnapshot
@@ -147,20 +148,23 @@ class WorkerView:
     # precise prefix index
     async def read_kv_events(self, block_ms: int) -> int:
         """Apply new KvEvents of every worker that publishes them; resync any worker with a gap."""
-        streams: dict[Any, Any] = {}
+        streams: dict[str, str] = {}
+        worker_of: dict[str, str] = {}
         for worker_id, hb in self.heartbeats.items():
             if hb.kv_events:
                 if worker_id not in self.precise:
                     self.precise[worker_id] = PreciseIndex(worker_id, self.holders)
-                streams[self._names.kv_index(worker_id)] = self._cursors.get(worker_id, "0")
+                key = self._names.kv_index(worker_id)
+                streams[key] = self._cursors.get(worker_id, "0")
+                worker_of[key] = worker_id
         if not streams:
             return 0
-        reply = await self._redis.xread(streams, count=2000, block=block_ms)
+        reply = await xread_any(self._redis, streams, count=2000, block_ms=block_ms)
         if reply:
             self._imprecise_cache = None  # an index may have gone out of (or back into) sync
         applied = 0
         for stream, entries in _stream_entries(reply):
-            worker_id = stream.rsplit(":", 1)[-1]
+            worker_id = worker_of.get(stream, "")
             index = self.precise.get(worker_id)
             if index is None:
                 continue
@@ -191,13 +195,10 @@ class WorkerView:
         log.info("prefix index resynced", worker=worker_id, seq=index.seq)
 
 
-def _stream_entries(reply: Any) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
-    """XREAD's reply as (stream, [(entry id, fields)]), whether it came as RESP2 lists or a RESP3 map."""
-    if not reply:
-        return []
-    items = list(reply.items()) if isinstance(reply, dict) else [(item[0], item[1]) for item in reply]
+def _stream_entries(reply: list[Any]) -> list[tuple[str, list[tuple[str, dict[bytes, bytes]]]]]:
+    """XREAD's (stream, entries) pairs as (stream name, [(entry id, fields)])."""
     out = []
-    for stream, entries in items:
+    for stream, entries in reply:
         name = stream.decode() if isinstance(stream, bytes) else str(stream)
         out.append((name, [(_id(entry_id), fields or {}) for entry_id, fields in entries]))
     return out

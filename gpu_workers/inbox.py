@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError, ResponseError
 
-from queue_schemas.names import WORKER_INBOX_GROUP, Names
+from queue_schemas.names import INBOX_FIELD, WORKER_INBOX_GROUP, Names
 
 log = structlog.get_logger("sluice.worker.inbox")
 
@@ -47,21 +47,26 @@ class Inbox:
 
     async def hand_over(self, pool: str) -> int:
         """Give what an earlier process under this worker id left in the inbox to the dispatchers, as a
-        lost worker's: the stream is renamed to a fresh id that is a pool member without a heartbeat,
-        and `left_by` names the id its requests were placed on. A dispatcher takes it over at once and
-        moves each request on from what its stream delivered, while this process is still starting
-        (loading a model can take minutes). Returns how many entries were handed over."""
-        left = int(await self._redis.xlen(self.key))
-        if not left:
+        lost worker's: the entries are copied to the inbox of a fresh id that is a pool member without a
+        heartbeat, `left_by` names the id its requests were placed on, and this inbox is emptied. A
+        dispatcher takes it over at once and moves each request on from what its stream delivered, while
+        this process is still starting (loading a model can take minutes). The two inboxes hash to
+        different slots on a Redis Cluster, so this is steps, not one transaction: a process that dies
+        half-way hands the same entries over again when it restarts, and a request moved twice is
+        refused by its placement record the second time. Returns how many entries were handed over."""
+        entries = await self._redis.xrange(self.key, "-", "+") or []
+        if not entries:
             return 0
         orphan = f"{self._worker_id[:40]}-left-{time.time_ns() % 10**12}"
-        async with self._redis.pipeline(transaction=True) as pipe:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for _entry_id, fields in entries:
+                pipe.xadd(self._names.inbox(orphan), {INBOX_FIELD: (fields or {}).get(INBOX_FIELD, b"")})
             pipe.set(self._names.left_by(orphan), self._worker_id, px=LEFT_BY_TTL_MS)
-            pipe.rename(self.key, self._names.inbox(orphan))
-            pipe.sadd(self._names.workers(pool), orphan)
             await pipe.execute()
-        log.warning("handed an earlier process's unfinished entries to the dispatchers", entries=left)
-        return left
+        await self._redis.sadd(self._names.workers(pool), orphan)
+        await self._redis.delete(self.key)
+        log.warning("handed an earlier process's unfinished entries to the dispatchers", entries=len(entries))
+        return len(entries)
 
     async def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` entries: first our own unacknowledged history, then new ones; `block_ms` None

@@ -43,6 +43,7 @@ class RequestOutput:
         names: Names,
         worker_id: str,
         outage_s: float,
+        publish_command: str = "PUBLISH",
     ) -> None:
         self.request = request
         self._publisher = publisher
@@ -50,6 +51,7 @@ class RequestOutput:
         self._names = names
         self._worker_id = worker_id
         self._outage_s = outage_s
+        self._publish_command = publish_command  # PUBLISH, or SPUBLISH on a Redis Cluster
         self._parts: list[str] = [] if request.resume is None else [request.resume.text]
 
     async def emit(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
@@ -72,7 +74,8 @@ class RequestOutput:
 
     async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
         ttl = log_ttl_ms(self.request.deadline, time.time(), is_terminal(chunk))
-        keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, publish)
+        command = self._publish_command if publish else ""
+        keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, command)
         give_up = time.monotonic() + self._outage_s
         delay = 0.05
         while True:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +43,7 @@ from gpu_workers.settings import WorkerSettings
 from gpu_workers.starting import (
     BEGIN_SCRIPT,
     STARTED_MARK_TTL_MS,
+    begin_keys,
     process_started_at,
     start_refusal,
 )
@@ -59,14 +60,15 @@ from queue_schemas.messages import (
     TokenChunk,
     WorkerState,
 )
+from queue_schemas.names import INBOX_FIELD
 from queue_schemas.publisher import PipelinedPublisher
 from queue_schemas.quota import settle
 from queue_schemas.replay import CHUNK_SCRIPT, log_ttl_ms
 from queue_schemas.state import follow_channel, publish_heartbeat
 
+RECENT_REQUESTS = 4096  # request ids a worker remembers having run, to drop an entry appended twice
 log = structlog.get_logger("sluice.worker")
 
-INBOX_FIELD = b"m"
 KV_PUBLISH_INTERVAL_S = 0.05
 REQUEST_FAULT = "the worker failed while serving this request"
 # The abort reason of requests this worker gives up without answering: a dispatcher moves them on.
@@ -99,6 +101,7 @@ class Worker:
         # (`next_to_start`), not the oldest. They stay unacknowledged in the inbox, so a dispatcher
         # recovers them with the running ones if this worker is lost.
         self._ready: list[Ready] = []
+        self._finished: OrderedDict[str, None] = OrderedDict()  # recent request ids, oldest first
         self._arrivals = itertools.count()
         self._team_of: dict[str, str] = {}  # request id -> team, of the requests running here
         self._running_by_team: Counter[str] = Counter()
@@ -282,6 +285,9 @@ class Worker:
         rid = request.request_id
         if rid in self._tasks or any(r.request.request_id == rid for r in self._ready):
             return
+        if rid in self._finished:  # appended again by a dispatcher that could not know it had arrived
+            self._spawn(entry_id.decode(), self._ack(entry_id))
+            return
         self._ready.append(Ready(request, entry_id, next(self._arrivals)))
 
     def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
@@ -301,6 +307,9 @@ class Worker:
         self._batch_running.discard(key)
         team = self._team_of.pop(key, None)
         if team is not None:
+            self._finished[key] = None
+            if len(self._finished) > RECENT_REQUESTS:
+                self._finished.popitem(last=False)
             self._running_by_team[team] -= 1
             if not self._running_by_team[team]:
                 del self._running_by_team[team]
@@ -310,7 +319,7 @@ class Worker:
         """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
         out = RequestOutput(
             request, self.publisher, self.answers, self.names, self.settings.worker_id,
-            self.settings.bus_outage_s,
+            self.settings.bus_outage_s, self.settings.stream_publish,
         )  # fmt: skip
         coalescer = ChunkCoalescer(
             request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000,
@@ -417,18 +426,18 @@ class Worker:
     async def _begin(self, request: InferenceRequest, first: TokenChunk | None = None) -> str:
         names = self.names
         rid = request.request_id
-        keys = [names.cancelled(rid), names.placement(rid), names.started(rid), names.replay(rid)]
+        keys = begin_keys(names, rid)
         args: list[str | bytes | int] = [self.settings.worker_id, STARTED_MARK_TTL_MS]
         if first is not None:
             ttl = log_ttl_ms(request.deadline, time.time(), terminal=False)
-            args += [names.stream_channel(rid), encode(first), first.seq, ttl]
+            args += [self.settings.stream_publish, encode(first), first.seq, ttl]
         outcome = await self._begin_script(keys=keys, args=args)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
     async def _settle(self, request: InferenceRequest, used_tokens: int) -> None:
         TEAM_TOKENS.labels(request.pool, request.team).inc(used_tokens)
         try:
-            await settle(self.redis, self.names, request.request_id, used_tokens)
+            await settle(self.redis, self.names, request.team, request.request_id, used_tokens)
         except RedisError as exc:
             log.warning("quota not settled", request_id=request.request_id, error=str(exc))
 

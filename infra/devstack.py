@@ -14,29 +14,32 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
 
 from infra.keys import create_key, create_signing_key
 from infra.launcher import (
+    LocalCluster,
     ManagedProcess,
     free_port,
     port_is_free,
     spawn,
     start_broker,
     start_redis,
+    start_redis_cluster,
     wait_until,
 )
 from infra.topics import create_topics
-from queue_schemas.clients import redis_client
+from queue_schemas.clients import mget_any, redis_client
 from queue_schemas.codec import decode
 from queue_schemas.config import SluiceConfig, load_config
 from queue_schemas.messages import Heartbeat
 from queue_schemas.settings import BusSettings
 
 DEV_TEAM = "dev"
-INFRA_PROCESSES = ("broker", "redis")
+INFRA_PROCESSES = ("broker", "redis")  # and the nodes of a local Redis Cluster, redis-cluster-PORT
 SERVICE_STOP_TIMEOUT_S = 15.0
 
 # The dev broker answers a waiting fetch only when the wait expires and joins groups in half the session
@@ -100,6 +103,13 @@ class DevStack:
     dispatchers: int = 2
     # Every Prometheus endpoint of the running stack (ingress, scaler, each dispatcher), once started.
     metrics_urls: list[str] = field(default_factory=list)
+    # Ingress processes, on consecutive ports from the first (named ingress, ingress-2, ...): a load
+    # balancer in front of them is all a client needs. Their URLs, once started, in `ingress_urls`.
+    ingresses: int = 1
+    ingress_urls: list[str] = field(default_factory=list)
+    # A local Redis Cluster of this many primaries (each with a replica) instead of one server.
+    redis_cluster: int = 0
+    cluster: LocalCluster | None = None
 
     def __post_init__(self) -> None:
         self.config: SluiceConfig = load_config(self.config_path)
@@ -122,22 +132,34 @@ class DevStack:
             kafka_port, self.log_dir, advertised_port=kafka_client_port, storage=self.broker_storage,
             env=self.broker_env,
         ))  # fmt: skip
-        self.processes.append(start_redis(redis_port, self.log_dir, persist=self.redis_persist))
+        if self.redis_cluster:
+            assert self.front is None, "a cluster's clients reach every node directly"
+            ports = [redis_port, *(free_port() for _ in range(self.redis_cluster - 1))]
+            replicas = {p: free_port() for p in ports}
+            self.cluster = start_redis_cluster(ports, self.log_dir, replicas)
+            self.processes += [*self.cluster.primaries, *self.cluster.replicas.values()]
+        else:
+            self.processes.append(start_redis(redis_port, self.log_dir, persist=self.redis_persist))
         scheme = "rediss" if self.redis_tls else "redis"
         bus = BusSettings(
             kafka_bootstrap=f"127.0.0.1:{kafka_client_port}",
             redis_url=f"{scheme}://127.0.0.1:{redis_client_port}/0",
+            redis_cluster=bool(self.redis_cluster),
             prefix=self.prefix,
             config=self.config_path,
             **self.security,  # type: ignore[arg-type]
         )
         api_key = asyncio.run(self._prepare_bus(bus))
-        port = self.ingress_port if self.ingress_port and port_is_free(self.ingress_port) else free_port()
+        ports = consecutive_free_ports(self.ingress_port, self.ingresses)
         scaler_port = free_port()
         env = self._service_env(bus)
         cli = [sys.executable, "-m", "infra.cli"]
-        ingress = spawn("ingress", [*cli, "ingress", "--port", str(port)], self.log_dir, env)
-        self.processes.append(ingress)
+        ingresses = []
+        for n, ingress_port in enumerate(ports, start=1):
+            name = "ingress" + (f"-{n}" if n > 1 else "")
+            ingresses.append(spawn(name, [*cli, "ingress", "--port", str(ingress_port)], self.log_dir, env))
+            self.ingress_urls.append(f"http://127.0.0.1:{ingress_port}")
+        self.processes += ingresses
         for pool in self.config.pools:
             for n in range(1, self.dispatchers + 1):
                 metrics_port = free_port()
@@ -150,14 +172,17 @@ class DevStack:
         scaler_env = {**env, "SLUICE_BACKEND": "local", "SLUICE_WORKER_LOG_DIR": str(self.log_dir)}
         scaler = spawn("scaler", [*cli, "scaler", "--port", str(scaler_port)], self.log_dir, scaler_env)
         self.processes.append(scaler)
-        url = f"http://127.0.0.1:{port}"
+        url = self.ingress_urls[0]
         scaler_url = f"http://127.0.0.1:{scaler_port}"
-        self.metrics_urls += [f"{url}/metrics", f"{scaler_url}/metrics"]
-        wait_until(ingress, lambda: _http_ok(url + "/healthz"), "ingress", timeout=60)
+        self.metrics_urls += [*(f"{u}/metrics" for u in self.ingress_urls), f"{scaler_url}/metrics"]
+        for ingress, ingress_url in zip(ingresses, self.ingress_urls, strict=True):
+            wait_until(ingress, partial(_http_ok, ingress_url + "/healthz"), ingress.name, timeout=60)
         wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", timeout=60)
         asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
         lines = [*endpoints.env_lines(), f"SLUICE_PREFIX={self.prefix}"]
+        if self.redis_cluster:
+            lines.append("SLUICE_REDIS_CLUSTER=1")
         lines.append(f"SLUICE_SIGNING_KEY_FILE={self.signing_key_file.resolve()}")
         lines += [f"SLUICE_{name.upper()}={value}" for name, value in self.security.items()]
         if self.config_path is not None:  # so `sluice batch` and `sluice keys` see the same pools
@@ -172,6 +197,7 @@ class DevStack:
         env.update(
             SLUICE_KAFKA_BOOTSTRAP=bus.kafka_bootstrap,
             SLUICE_REDIS_URL=bus.redis_url,
+            SLUICE_REDIS_CLUSTER="1" if bus.redis_cluster else "0",
             SLUICE_PREFIX=bus.prefix,
             PYTHONUNBUFFERED="1",
         )
@@ -205,7 +231,7 @@ class DevStack:
             while time.monotonic() < deadline:
                 self._check_alive()
                 keys = [names.heartbeat(pool, w) for pool, w in sorted(expected)]
-                raws = await redis.mget(keys) if keys else []
+                raws = await mget_any(redis, keys)
                 if all(raw is not None and b'"state":"ready"' in raw for raw in raws):
                     return
                 failed = [
@@ -256,15 +282,30 @@ class DevStack:
 
     def stop(self) -> None:
         """Stop the services together (they drain), then Redis and the broker."""
-        services = [p for p in self.processes if p.name not in INFRA_PROCESSES]
+        services = [p for p in self.processes if not _is_infra(p)]
         for proc in services:
             proc.terminate()
         deadline = time.monotonic() + SERVICE_STOP_TIMEOUT_S
         for proc in services:
             proc.wait_stopped(max(0.0, deadline - time.monotonic()))
-        for proc in reversed([p for p in self.processes if p.name in INFRA_PROCESSES]):
+        for proc in reversed([p for p in self.processes if _is_infra(p)]):
             proc.stop()
         self.processes.clear()
+
+
+def _is_infra(proc: ManagedProcess) -> bool:
+    return proc.name in INFRA_PROCESSES or proc.name.startswith("redis-cluster-")
+
+
+def consecutive_free_ports(first: int | None, count: int) -> list[int]:
+    """`count` free ports in a row, from `first` when those are free, else from a free one."""
+    candidates = [first] if first else []
+    candidates += [free_port() for _ in range(20)]
+    for start in candidates:
+        ports = list(range(start, start + count))
+        if all(port < 65536 and port_is_free(port) for port in ports):
+            return ports
+    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def _http_ok(url: str) -> bool:

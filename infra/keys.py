@@ -98,12 +98,13 @@ async def create_key(
 async def list_keys(redis: aioredis.Redis, names: Names) -> list[tuple[str, TeamKey]]:
     """(key hash, record) for every stored key."""
     out = []
-    prefix = names.api_key("")
-    async for raw_name in redis.scan_iter(match=prefix + "*", count=500):
+    head, tail = names.api_key("\0").split("\0")  # the digest sits between these
+    async for raw_name in redis.scan_iter(match=names.api_key("*"), count=500):
         name = raw_name.decode()
         raw = await redis.get(name)
         if raw is not None:
-            out.append((name.removeprefix(prefix), TeamKey.model_validate_json(raw)))
+            digest = name.removeprefix(head).removesuffix(tail)
+            out.append((digest, TeamKey.model_validate_json(raw)))
     return sorted(out, key=lambda item: (item[1].team, item[1].created_at))
 
 

@@ -16,8 +16,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -184,6 +186,113 @@ def start_redis(port: int, log_dir: Path, persist: bool = False) -> ManagedProce
     proc = spawn("redis", argv, log_dir)
     wait_until(proc, lambda: redis_answers(port), "redis", timeout=20)
     return proc
+
+
+CLUSTER_SLOTS = 16384
+
+
+@dataclass
+class LocalCluster:
+    """A local Redis Cluster: primaries (each owning an equal range of slots) and their replicas."""
+
+    primaries: list[ManagedProcess]
+    replicas: dict[int, ManagedProcess]  # primary port -> its replica
+    ports: list[int]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def stop(self) -> None:
+        for proc in [*self.replicas.values(), *self.primaries]:
+            proc.stop()
+
+
+def slot_ranges(primaries: int) -> list[tuple[int, int]]:
+    """Equal, contiguous slot ranges (first, last) for `primaries` nodes, covering every slot."""
+    bounds = [CLUSTER_SLOTS * i // primaries for i in range(primaries + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(primaries)]
+
+
+def start_redis_cluster(
+    ports: Sequence[int], log_dir: Path, replica_ports: Mapping[int, int] | None = None
+) -> LocalCluster:
+    """Valkey in cluster mode on loopback: one primary per port, slots assigned in equal ranges, and a
+    replica for each primary named in `replica_ports` (primary port -> replica port), which a failover
+    promotes about a second after its primary stops answering."""
+    replica_ports = dict(replica_ports or {})
+    procs = {port: _cluster_node(port, log_dir) for port in [*ports, *replica_ports.values()]}
+    for port, (first, last) in zip(ports, slot_ranges(len(ports)), strict=True):
+        _command(port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+    for port in list(procs)[1:]:
+        _command(ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port))
+    for primary, replica in replica_ports.items():
+        node_id = _command(primary, "CLUSTER", "MYID").strip()
+        _until(partial(_knows, replica, node_id), "replica meets its primary")
+        _command(replica, "CLUSTER", "REPLICATE", node_id)
+    for port in procs:
+        _until(partial(_cluster_ok, port), f"cluster ok at {port}")
+        _until(partial(_knows_all, port, len(procs)), f"node {port} knows every node")
+    return LocalCluster(
+        [procs[p] for p in ports], {p: procs[r] for p, r in replica_ports.items()}, list(ports)
+    )
+
+
+def _cluster_node(port: int, log_dir: Path) -> ManagedProcess:
+    node_dir = log_dir / f"cluster-{port}"
+    node_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+        "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0",
+    ]  # fmt: skip
+    proc = spawn(f"redis-cluster-{port}", argv, log_dir)
+    wait_until(proc, lambda: redis_answers(port), f"cluster node {port}", timeout=20)
+    return proc
+
+
+def _knows(port: int, node_id: str) -> bool:
+    return node_id in _command(port, "CLUSTER", "NODES")
+
+
+def _cluster_ok(port: int) -> bool:
+    return "cluster_state:ok" in _command(port, "CLUSTER", "INFO")
+
+
+def _knows_all(port: int, nodes: int) -> bool:
+    lines = [line for line in _command(port, "CLUSTER", "NODES").splitlines() if line.strip()]
+    return len(lines) == nodes and not any("handshake" in line or "fail" in line for line in lines)
+
+
+def _until(probe: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for: {what}")
+        time.sleep(0.1)
+
+
+def _command(port: int, *args: str) -> str:
+    """One command to a node, in RESP over a plain socket (the launcher needs no client library)."""
+    payload = f"*{len(args)}\r\n" + "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(payload.encode())
+        reply = _read_reply(conn.makefile("rb"))
+    if reply.startswith("-"):
+        raise RuntimeError(f"node {port} refused {' '.join(args)}: {reply}")
+    return reply
+
+
+def _read_reply(stream: Any) -> str:
+    line: str = stream.readline().decode().rstrip("\r\n")
+    kind, rest = line[:1], line[1:]
+    if kind == "$":
+        size = int(rest)
+        return "" if size < 0 else str(stream.read(size + 2)[:-2].decode())
+    if kind in ("*", "%", "~") and int(rest) > 0:
+        count = int(rest) * (2 if kind == "%" else 1)
+        return "\n".join(_read_reply(stream) for _ in range(count))
+    return line if kind == "-" else rest
 
 
 def start_object_store(port: int, log_dir: Path) -> ManagedProcess:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import structlog
 from aiokafka import AIOKafkaProducer
@@ -18,7 +19,7 @@ from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from queue_schemas.api_errors import ApiError, MethodNotAllowed, NotFound
-from queue_schemas.clients import producer_options, redis_client, with_backoff
+from queue_schemas.clients import node_client, producer_options, redis_client, with_backoff
 from queue_schemas.model_store import ModelStore
 from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.structured import preload_schema_compiler
@@ -39,7 +40,12 @@ def create_app(settings: IngressSettings) -> FastAPI:
         redis = redis_client(settings)
         # Its own connection, never renewed silently: a lost one must fail the streams it carried.
         hub_redis = redis_client(settings, retry=False)
-        hub = StreamHub(hub_redis, f"{settings.prefix}:ingress:control", settings.stream_outage_s)
+        hub = StreamHub(
+            hub_redis,
+            settings.names.ingress_control_channel(),
+            settings.stream_outage_s,
+            node_client=partial(node_client, settings),
+        )
         producer = AIOKafkaProducer(**producer_options(settings))
         await with_backoff(
             producer.start,

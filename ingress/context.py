@@ -50,10 +50,10 @@ class IngressContext:
         """The request's replay log from `from_seq` on, to fill a gap in its stream."""
         return await read_log(self.redis, self.settings.names, request_id, from_seq)
 
-    async def release(self, request_id: str) -> None:
+    async def release(self, team: str, request_id: str) -> None:
         """Give back a reservation for a request that never reached the queue."""
         try:
-            await settle(self.redis, self.settings.names, request_id, 0)
+            await settle(self.redis, self.settings.names, team, request_id, 0)
         except RedisError as exc:
             log.warning("reservation not released", request_id=request_id, error=str(exc))
 

@@ -223,7 +223,7 @@ async def serve(
     try:
         plan = await make_plan()
     except BaseException:
-        await ctx.release(inference.request_id)
+        await ctx.release(inference.team, inference.request_id)
         raise
     if plan.structured is not None:
         sampling = inference.sampling.model_copy(update={"structured": plan.structured})
@@ -257,13 +257,13 @@ async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscriptio
     try:
         sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(inference.request_id))
     except HubDisconnected as exc:
-        await ctx.release(inference.request_id)
+        await ctx.release(inference.team, inference.request_id)
         raise ServiceUnavailable("The stream relay is unavailable; retry shortly.") from exc
     try:
         await ctx.publish(inference)
     except BaseException:
         await sub.close()
-        await ctx.release(inference.request_id)
+        await ctx.release(inference.team, inference.request_id)
         raise
     return sub
 

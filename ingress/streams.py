@@ -1,10 +1,18 @@
-"""One Redis pub/sub connection per ingress process, fanned out to per-request subscriptions.
+"""Redis pub/sub connections of one ingress process, fanned out to per-request subscriptions.
+
+On a single Redis server the hub holds one connection. On a Redis Cluster, streams use sharded pub/sub
+(SSUBSCRIBE): a channel's messages are delivered only by the primary that owns its hash slot, so the
+hub holds one connection per primary that owns a slot of an open stream, and routes each new
+subscription to its slot's owner.
 
 A subscription is confirmed by Redis before `subscribe` returns, so a request is produced to Kafka only
-once its reply channel is live. If the connection drops, the open subscriptions wait: the hub reconnects
-with backoff, subscribes to their channels again, and hands each one RESYNC, so its reader fills what it
-missed from the request's replay log (queue_schemas.replay). A hub that cannot reconnect within
-`outage_s` gives every open subscription HubDisconnected, and those requests end with an error.
+once its reply channel is live. If a connection drops, the subscriptions on it wait: the hub
+reconnects with backoff (on a cluster, after re-reading the slot map, so streams whose slots moved in a
+failover or a resharding follow them to the new owner), subscribes to their channels again, and hands
+each one RESYNC, so its reader fills what it missed from the request's replay log (queue_schemas.replay).
+A cluster that moves a slot away tells its subscribers (SUNSUBSCRIBE without being asked): those
+streams are re-homed the same way. A connection that cannot be restored within `outage_s` gives its
+subscriptions HubDisconnected, and those requests end with an error.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,10 +28,15 @@ import structlog
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
+from queue_schemas.clients import as_cluster
+
 log = structlog.get_logger("sluice.ingress.streams")
 
 SUBSCRIBE_TIMEOUT_S = 5.0
 RESYNC = b""  # handed to a subscription after a reconnect: chunks may have been missed (never a payload)
+SINGLE = "single"  # the one connection's name on a single server
+
+NodeClient = Callable[[str, int], aioredis.Redis]
 
 
 class HubDisconnected(Exception):
@@ -52,39 +66,69 @@ class Subscription:
             await self._hub.unsubscribe(self)
 
 
+class _Shard:
+    """One pub/sub connection and the stream channels it carries."""
+
+    def __init__(self, name: str, redis: aioredis.Redis) -> None:
+        self.name = name
+        self.redis = redis
+        self.pubsub: PubSub | None = None
+        self.channels: set[bytes] = set()
+        self.lock = asyncio.Lock()
+        self.connected = asyncio.Event()
+        self.reader: asyncio.Task[None] | None = None
+        self.retired = False  # no longer a primary that owns streams: its reader stops
+
+
 class StreamHub:
-    def __init__(self, redis: aioredis.Redis, control_channel: str, outage_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        control_channel: str,
+        outage_s: float = 30.0,
+        node_client: NodeClient | None = None,
+    ) -> None:
         self._redis = redis
+        self._cluster = as_cluster(redis)
+        assert self._cluster is None or node_client is not None, "a cluster hub needs per-node clients"
+        self._node_client = node_client
         self._outage_s = outage_s
         self._control = control_channel.encode()
-        self._pubsub: PubSub | None = None
+        self._sharded = self._cluster is not None
         self._subs: dict[bytes, Subscription] = {}
         self._confirm: dict[bytes, asyncio.Future[None]] = {}
-        self._lock = asyncio.Lock()
-        self._reader: asyncio.Task[None] | None = None
-        self._connected = asyncio.Event()
+        self._shards: dict[str, _Shard] = {}
+        self._shard_of: dict[bytes, str] = {}
+        self._started = False
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        if not self._started:
+            return False
+        return all(s.connected.is_set() for s in self._shards.values() if not s.retired)
 
     @property
     def open_subscriptions(self) -> int:
         return len(self._subs)
 
+    @property
+    def shards(self) -> int:
+        """Connections held now (one per cluster primary that owns an open stream's slot)."""
+        return sum(1 for s in self._shards.values() if not s.retired)
+
     async def start(self) -> None:
-        self._reader = asyncio.create_task(self._run(), name="stream-hub")
+        if self._cluster is None:
+            self._open_shard(SINGLE, self._redis)
+        else:
+            await self._cluster.initialize()
+        self._started = True
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        if self._pubsub is not None:
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+        for shard in list(self._shards.values()):
+            await self._stop_shard(shard)
 
     async def subscribe(self, channel: str) -> Subscription:
-        if not self._connected.is_set():
+        if not self.connected:
             raise HubDisconnected("pub/sub connection is down")
         key = channel.encode()
         sub = Subscription(self, key)
@@ -92,97 +136,207 @@ class StreamHub:
         self._subs[key] = sub
         self._confirm[key] = confirmed
         try:
-            async with self._lock:
-                assert self._pubsub is not None
-                await self._pubsub.subscribe(key)
+            shard = await self._home(key)
+            async with shard.lock:
+                assert shard.pubsub is not None
+                await self._send_subscribe(shard.pubsub, key)
             await asyncio.wait_for(confirmed, SUBSCRIBE_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError) as exc:
-            self._subs.pop(key, None)
+            self._forget(key)
             raise HubDisconnected(f"could not subscribe: {exc}") from exc
         finally:
             self._confirm.pop(key, None)
         return sub
 
     async def unsubscribe(self, sub: Subscription) -> None:
-        if self._subs.get(sub.channel) is sub:
-            del self._subs[sub.channel]
-        if self._pubsub is None or not self._connected.is_set():
+        if self._subs.get(sub.channel) is not sub:
+            return
+        shard = self._shards.get(self._shard_of.get(sub.channel, ""))
+        self._forget(sub.channel)
+        if shard is None or shard.pubsub is None or not shard.connected.is_set():
             return
         try:
-            async with self._lock:
-                await self._pubsub.unsubscribe(sub.channel)
+            async with shard.lock:
+                if self._sharded:
+                    await shard.pubsub.sunsubscribe(sub.channel)
+                else:
+                    await shard.pubsub.unsubscribe(sub.channel)
         except (RedisError, OSError) as exc:
             log.warning("unsubscribe failed", error=str(exc))
 
-    async def _run(self) -> None:
+    # shards
+    def _forget(self, key: bytes) -> None:
+        self._subs.pop(key, None)
+        name = self._shard_of.pop(key, None)
+        if name in self._shards:
+            self._shards[name].channels.discard(key)
+
+    def _open_shard(self, name: str, redis: aioredis.Redis) -> _Shard:
+        shard = _Shard(name, redis)
+        self._shards[name] = shard
+        shard.reader = asyncio.create_task(self._run(shard), name=f"stream-hub-{name}")
+        return shard
+
+    async def _stop_shard(self, shard: _Shard) -> None:
+        shard.retired = True
+        shard.connected.clear()
+        if shard.reader is not None and shard.reader is not asyncio.current_task():
+            shard.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await shard.reader
+        with contextlib.suppress(RedisError, OSError):
+            if shard.pubsub is not None:
+                await shard.pubsub.aclose()  # type: ignore[no-untyped-call]
+            if shard.redis is not self._redis:
+                await shard.redis.aclose()
+
+    async def _home(self, key: bytes) -> _Shard:
+        """The connected shard that carries `key`, opened if needed; the channel is assigned to it."""
+        if self._cluster is None:
+            shard = self._shards[SINGLE]
+        else:
+            node = self._cluster.get_node_from_key(key.decode())
+            if node is None:
+                raise OSError("no node owns the channel's slot")
+            found = self._shards.get(node.name)
+            if found is None or found.retired:
+                if found is not None:
+                    await self._stop_shard(found)
+                assert self._node_client is not None
+                found = self._open_shard(node.name, self._node_client(node.host, int(node.port)))
+            shard = found
+            await self._wait_connected(shard, SUBSCRIBE_TIMEOUT_S)
+        shard.channels.add(key)
+        self._shard_of[key] = shard.name
+        return shard
+
+    async def _wait_connected(self, shard: _Shard, within_s: float) -> None:
+        try:
+            await asyncio.wait_for(shard.connected.wait(), within_s)
+        except TimeoutError:
+            raise OSError(f"pub/sub connection to {shard.name} is down") from None
+
+    async def _rehome(self, keys: set[bytes]) -> None:
+        """Move channels whose slots another primary owns now (after a failover or a slot move) to that
+        primary's connection, each told to catch up from its log."""
+        assert self._cluster is not None
+        with contextlib.suppress(RedisError, OSError):
+            await self._cluster.nodes_manager.initialize()
+        for key in keys:
+            sub = self._subs.get(key)
+            node = self._cluster.get_node_from_key(key.decode())
+            if sub is None or node is None or node.name == self._shard_of.get(key):
+                continue  # still where it was: that connection's reconnect subscribes it again
+            old = self._shards.get(self._shard_of.get(key, ""))
+            if old is not None:
+                old.channels.discard(key)
+            try:
+                shard = await self._home(key)
+                async with shard.lock:
+                    assert shard.pubsub is not None
+                    await self._send_subscribe(shard.pubsub, key)
+            except (RedisError, OSError) as exc:
+                log.warning("stream not re-homed yet", error=str(exc))
+                if old is not None:
+                    old.channels.add(key)  # tried again when that connection is restored
+                    self._shard_of[key] = old.name
+                continue
+            sub.deliver(RESYNC)
+
+    async def _send_subscribe(self, pubsub: PubSub, *keys: bytes) -> None:
+        if self._sharded:
+            for key in keys:  # one slot per SSUBSCRIBE
+                await pubsub.ssubscribe(key)
+        elif keys:
+            await pubsub.subscribe(*keys)
+
+    # reading
+    async def _run(self, shard: _Shard) -> None:
         delay = 0.1
         lost_at: float | None = None
-        while True:
+        while not shard.retired:
             try:
-                await self._connect()
+                await self._connect(shard)
                 if lost_at is not None:
-                    log.info("pub/sub connection back", streams=len(self._subs))
+                    log.info("pub/sub connection back", shard=shard.name, streams=len(shard.channels))
                 lost_at, delay = None, 0.1
-                await self._read_forever()
+                await self._read_forever(shard)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
-                log.warning("pub/sub connection lost", error=str(exc))
-            self._connected.clear()
+                log.warning("pub/sub connection lost", shard=shard.name, error=str(exc))
+            shard.connected.clear()
             now = time.monotonic()
             lost_at = now if lost_at is None else lost_at
+            if self._cluster is not None and shard.channels:
+                await self._rehome(set(shard.channels))
+                if not shard.channels and not self._owns_slots(shard):
+                    await self._stop_shard(shard)  # a primary that failed over: its streams moved
+                    return
             if now - lost_at >= self._outage_s:
-                self._fail_all(HubDisconnected("pub/sub connection lost; the stream may be incomplete"))
+                self._fail(shard, HubDisconnected("pub/sub connection lost; the stream may be incomplete"))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def _connect(self) -> None:
-        """Connect, subscribe to every open subscription's channel again, and tell each to catch up."""
-        self._connected.clear()
-        if self._pubsub is not None:
+    def _owns_slots(self, shard: _Shard) -> bool:
+        assert self._cluster is not None
+        return any(node.name == shard.name for node in self._cluster.get_primaries())
+
+    async def _connect(self, shard: _Shard) -> None:
+        """Connect, subscribe to every channel of the shard again, and tell each to catch up."""
+        shard.connected.clear()
+        if shard.pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.aclose()  # type: ignore[no-untyped-call]
-        self._pubsub = self._redis.pubsub()
+                await shard.pubsub.aclose()  # type: ignore[no-untyped-call]
+        shard.pubsub = shard.redis.pubsub()
+        channels = set(shard.channels)
         # The control channel keeps the connection subscribed even when no request is open.
-        await self._pubsub.subscribe(self._control, *self._subs)
+        await shard.pubsub.subscribe(self._control)
+        await self._send_subscribe(shard.pubsub, *channels)
         # Each confirmation arrives after the server has subscribed that channel, so a catch-up read
         # of the log that follows it misses nothing published later.
-        pending = {self._control, *self._subs}
+        pending = {self._control, *channels}
         while pending:
-            msg = await self._pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
+            msg = await shard.pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
             if msg is None:
                 raise OSError("pub/sub subscriptions were not confirmed")
-            if msg["type"] == "subscribe":
+            if msg["type"] in ("subscribe", "ssubscribe"):
                 pending.discard(msg["channel"])
-            else:
-                self._route(msg)
-        self._connected.set()
-        for sub in list(self._subs.values()):
-            sub.deliver(RESYNC)
+            await self._route(shard, msg)
+        shard.connected.set()
+        for key in channels:
+            sub = self._subs.get(key)
+            if sub is not None:
+                sub.deliver(RESYNC)
 
-    async def _read_forever(self) -> None:
-        assert self._pubsub is not None
+    async def _read_forever(self, shard: _Shard) -> None:
+        assert shard.pubsub is not None
         while True:
-            msg = await self._pubsub.get_message(timeout=1.0)
+            msg = await shard.pubsub.get_message(timeout=1.0)
             if msg is not None:
-                self._route(msg)
+                await self._route(shard, msg)
 
-    def _route(self, msg: dict[str, Any]) -> None:
-        channel = msg["channel"]
-        if msg["type"] == "subscribe":
-            fut = self._confirm.get(channel)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        elif msg["type"] == "message":
+    async def _route(self, shard: _Shard, msg: dict[str, Any]) -> None:
+        kind, channel = msg["type"], msg["channel"]
+        if kind in ("message", "smessage"):
             sub = self._subs.get(channel)
             if sub is not None:
                 sub.deliver(msg["data"])
+        elif kind in ("subscribe", "ssubscribe"):
+            fut = self._confirm.get(channel)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif kind == "sunsubscribe" and channel in self._subs and channel in shard.channels:
+            # Not asked for: the channel's slot moved to another primary.
+            log.info("stream slot moved; following it", shard=shard.name)
+            await self._rehome({channel})
 
-    def _fail_all(self, exc: BaseException) -> None:
-        self._connected.clear()
-        subs, self._subs = self._subs, {}
-        for sub in subs.values():
-            sub.deliver(exc)
-        for fut in self._confirm.values():
-            if not fut.done():
+    def _fail(self, shard: _Shard, exc: BaseException) -> None:
+        for key in list(shard.channels):
+            sub = self._subs.get(key)
+            self._forget(key)
+            if sub is not None:
+                sub.deliver(exc)
+            fut = self._confirm.get(key)
+            if fut is not None and not fut.done():
                 fut.set_exception(exc)

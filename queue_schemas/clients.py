@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 import structlog
 from aiokafka.helpers import create_ssl_context
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -24,10 +25,15 @@ from queue_schemas.settings import BusSettings
 T = TypeVar("T")
 log = structlog.get_logger("sluice.clients")
 REDIS_RETRIES = 3
+CLUSTER_RETRIES = 8
 
 
 def redis_client(settings: BusSettings, *, retry: bool = True) -> aioredis.Redis:
-    """A client whose pool waits (up to 5 s) for a free connection instead of failing at the cap.
+    """A client whose pool waits (up to 5 s) for a free connection instead of failing at the cap; with
+    `redis_cluster`, a cluster client that routes each command to its slot's node.
+
+    The cluster client speaks the same command API (redis-py's RedisCluster), so every caller is typed
+    against `Redis`; what differs (multi-slot reads, stream subscriptions) goes through the helpers below.
 
     With `retry`, a command that meets a broken connection (pooled connections all break when the server
     restarts) is sent again on a fresh one, up to REDIS_RETRIES times over about a second. A pub/sub
@@ -35,6 +41,8 @@ def redis_client(settings: BusSettings, *, retry: bool = True) -> aioredis.Redis
     retry=False: its subscription would otherwise be renewed silently.
     """
     options = redis_security(settings)
+    if settings.redis_cluster:
+        return _cluster_client(settings, options, retry)
     if retry:
         options["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), REDIS_RETRIES)
         options["retry_on_error"] = [RedisConnectionError, RedisTimeoutError]
@@ -47,6 +55,72 @@ def redis_client(settings: BusSettings, *, retry: bool = True) -> aioredis.Redis
         **options,
     )
     return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
+
+
+def _cluster_client(settings: BusSettings, options: dict[str, Any], retry: bool) -> aioredis.Redis:
+    cluster = RedisCluster.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        socket_connect_timeout=2.0,
+        health_check_interval=15,
+        # A failover takes the cluster a few seconds: commands for the lost primary's slots are retried
+        # (the client re-reads the slot map between tries) rather than failed at once.
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), CLUSTER_RETRIES if retry else 0),
+        **options,
+    )
+    return cast(aioredis.Redis, cluster)
+
+
+def node_client(settings: BusSettings, host: str, port: int) -> aioredis.Redis:
+    """A plain client of one cluster node (a pub/sub connection to the primary that owns a slot), with
+    the cluster's credentials and TLS; no retries, like every pub/sub reader's."""
+    options = redis_security(settings)
+    if settings.redis_url.startswith("rediss://"):
+        options["ssl"] = True
+    return aioredis.Redis(
+        host=host, port=port, socket_connect_timeout=2.0, health_check_interval=15, **options
+    )
+
+
+def as_cluster(redis: aioredis.Redis) -> RedisCluster | None:
+    """The cluster client behind `redis`, or None for a single server."""
+    client: object = redis
+    return client if isinstance(client, RedisCluster) else None
+
+
+async def mget_any(redis: aioredis.Redis, keys: Sequence[str]) -> list[Any]:
+    """MGET of keys that may live in different slots (one MGET per slot on a cluster)."""
+    if not keys:
+        return []
+    cluster = as_cluster(redis)
+    if cluster is not None:
+        return list(await cluster.mget_nonatomic(list(keys)))
+    return list(await redis.mget(list(keys)))
+
+
+async def xread_any(redis: aioredis.Redis, streams: dict[str, str], count: int, block_ms: int) -> list[Any]:
+    """New entries of several streams, as [(stream, entries)]. A cluster reads each slot's streams
+    without blocking (one blocking read per node would hold a connection each), then waits `block_ms`
+    when nothing was new; a single server takes one blocking XREAD."""
+    wanted: Any = streams
+    cluster = as_cluster(redis)
+    if cluster is None:
+        return stream_items(await redis.xread(wanted, count=count, block=block_ms))
+    by_slot: dict[int, dict[Any, Any]] = {}
+    for stream, cursor in streams.items():
+        by_slot.setdefault(cluster.keyslot(stream), {})[stream] = cursor
+    replies = await asyncio.gather(*(cluster.xread(group, count=count) for group in by_slot.values()))
+    items = [item for reply in replies for item in stream_items(reply)]
+    if not items:
+        await asyncio.sleep(block_ms / 1000)
+    return items
+
+
+def stream_items(reply: Any) -> list[tuple[Any, Any]]:
+    """XREAD's reply as [(stream, entries)], whether it came as RESP2 lists or a RESP3 map."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else [(item[0], item[1]) for item in reply]
 
 
 def redis_security(settings: BusSettings) -> dict[str, Any]:

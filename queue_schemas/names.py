@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WORKER_INBOX_GROUP = "worker"
+INBOX_FIELD = b"m"  # the field of an inbox entry that holds the encoded request
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,100 +32,105 @@ class Names:
 
     # Redis keys
     def api_key(self, key_sha256: str) -> str:
-        return f"{self.prefix}:apikey:{key_sha256}"
+        return f"{self.prefix}:apikey:{{{key_sha256}}}"
 
     def team(self, team: str) -> str:
-        return f"{self.prefix}:team:{team}"
+        return f"{self.prefix}:team:{{{team}}}"
 
     def signing_keys(self, team: str) -> str:
         """Hash: key id -> base64 Ed25519 public key of the team's batch signers."""
-        return f"{self.prefix}:signkeys:{team}"
+        return f"{self.prefix}:signkeys:{{{team}}}"
 
     def quota_tokens(self, team: str) -> str:
-        return f"{self.prefix}:quota:tpm:{team}"
+        return f"{self.prefix}:quota:tpm:{{{team}}}"
 
     def quota_requests(self, team: str) -> str:
-        return f"{self.prefix}:quota:rpm:{team}"
+        return f"{self.prefix}:quota:rpm:{{{team}}}"
 
     def quota_day(self, team: str, day: str) -> str:
-        return f"{self.prefix}:quota:day:{team}:{day}"
+        return f"{self.prefix}:quota:day:{{{team}}}:{day}"
 
-    def reservation(self, request_id: str) -> str:
-        return f"{self.prefix}:resv:{request_id}"
+    def reservation(self, team: str, request_id: str) -> str:
+        """Hash: what a request reserved of its team's quota (in the team's slot, beside the counters)."""
+        return f"{self.prefix}:resv:{{{team}}}:{request_id}"
 
     def held(self, pool: str, dispatcher_id: str) -> str:
-        return f"{self.prefix}:held:{pool}:{dispatcher_id}"
+        return f"{self.prefix}:held:{{{pool}}}:{dispatcher_id}"
 
     def dispatchers(self, pool: str) -> str:
         """Sorted set: the pool's live dispatchers, scored by when their registration lapses (ms)."""
-        return f"{self.prefix}:dispatchers:{pool}"
+        return f"{self.prefix}:dispatchers:{{{pool}}}"
 
     def partition_lease(self, pool: str) -> str:
         """A format string ({topic}, {partition}) for the lease of one partition (dispatcher.leases)."""
-        return f"{self.prefix}:lease:{pool}:{{topic}}:{{partition}}"
+        return f"{self.prefix}:lease:{{{{{pool}}}}}:{{topic}}:{{partition}}"
 
     def migrations(self, pool: str) -> str:
         """Hash: outcome -> how many requests of the pool's lost workers ended so (see dispatcher.metrics)."""
-        return f"{self.prefix}:migrations:{pool}"
+        return f"{self.prefix}:migrations:{{{pool}}}"
 
     def highwater(self, pool: str) -> str:
-        return f"{self.prefix}:highwater:{pool}"
+        return f"{self.prefix}:highwater:{{{pool}}}"
 
     def batch_highwater(self, pool: str) -> str:
-        return f"{self.prefix}:batch-highwater:{pool}"
+        return f"{self.prefix}:batch-highwater:{{{pool}}}"
 
     def pool_state(self, pool: str) -> str:
-        return f"{self.prefix}:poolstate:{pool}"
+        return f"{self.prefix}:poolstate:{{{pool}}}"
 
     def heartbeat(self, pool: str, worker_id: str) -> str:
-        return f"{self.prefix}:hb:{pool}:{worker_id}"
+        return f"{self.prefix}:hb:{pool}:{{{worker_id}}}"
 
     def workers(self, pool: str) -> str:
-        return f"{self.prefix}:workers:{pool}"
+        return f"{self.prefix}:workers:{{{pool}}}"
 
     def kv_index(self, worker_id: str) -> str:
-        return f"{self.prefix}:kv:{worker_id}"
+        return f"{self.prefix}:kv:{{{worker_id}}}"
 
     def kv_snapshot(self, worker_id: str) -> str:
-        return f"{self.prefix}:kvsnap:{worker_id}"
+        return f"{self.prefix}:kvsnap:{{{worker_id}}}"
 
     def recovery_lock(self, worker_id: str) -> str:
-        return f"{self.prefix}:recover:{worker_id}"
+        return f"{self.prefix}:recover:{{{worker_id}}}"
 
     def left_by(self, worker_id: str) -> str:
         """The worker id whose unfinished inbox a restarted process handed over under `worker_id`."""
-        return f"{self.prefix}:leftby:{worker_id}"
+        return f"{self.prefix}:leftby:{{{worker_id}}}"
 
     def drain_request(self, worker_id: str) -> str:
         """Set by the scaler: the worker drains (not ready, no new placements) but stays up until it is
         stopped; deleted or expired, the worker is ready again."""
-        return f"{self.prefix}:drain:{worker_id}"
+        return f"{self.prefix}:drain:{{{worker_id}}}"
 
     def started(self, request_id: str) -> str:
-        return f"{self.prefix}:started:{request_id}"
+        return f"{self.prefix}:started:{{{request_id}}}"
 
     def inbox(self, worker_id: str) -> str:
-        return f"{self.prefix}:inbox:{worker_id}"
+        return f"{self.prefix}:inbox:{{{worker_id}}}"
 
     def placement(self, request_id: str) -> str:
-        return f"{self.prefix}:req:{request_id}"
+        return f"{self.prefix}:req:{{{request_id}}}"
 
     def replay(self, request_id: str) -> str:
         """Hash: seq -> every chunk of the request published so far (see queue_schemas.replay)."""
-        return f"{self.prefix}:replay:{request_id}"
+        return f"{self.prefix}:replay:{{{request_id}}}"
 
     def answered(self, request_id: str) -> str:
-        return f"{self.prefix}:answered:{request_id}"
+        return f"{self.prefix}:answered:{{{request_id}}}"
 
     def cancelled(self, request_id: str) -> str:
-        return f"{self.prefix}:cancelled:{request_id}"
+        return f"{self.prefix}:cancelled:{{{request_id}}}"
 
     # Redis pub/sub channels
     def stream_channel(self, request_id: str) -> str:
-        return f"{self.prefix}:stream:{request_id}"
+        return f"{self.prefix}:stream:{{{request_id}}}"
 
     def cancel_channel(self) -> str:
         return f"{self.prefix}:cancel"
+
+    def ingress_control_channel(self) -> str:
+        """Keeps an ingress's pub/sub connection subscribed while it has no streams open."""
+        return f"{self.prefix}:ingress:control"
 
     def heartbeat_channel(self, pool: str) -> str:
         return f"{self.prefix}:hb:{pool}"

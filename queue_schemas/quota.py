@@ -98,29 +98,33 @@ if rpm > 0 then
 end
 daily_used = redis.call('INCRBY', KEYS[3], cost)
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[7]))
-redis.call('HSET', KEYS[4], 'cost', cost, 'tokens_key', KEYS[1], 'tpm', tpm, 'day_key', KEYS[3])
+redis.call('HSET', KEYS[4], 'cost', cost, 'tpm', tpm, 'day_key', KEYS[3])
 redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[6]))
 return {0, 0, tostring(tokens_left), tostring(requests_left), tostring(daily_used)}
 """
 
 SETTLE_SCRIPT = """
--- KEYS: reservation.  ARGV: now_ms, tokens really used.  Returns the tokens refunded (-1: nothing to settle).
-local r = redis.call('HMGET', KEYS[1], 'cost', 'tokens_key', 'tpm', 'day_key')
+-- KEYS: reservation, tokens bucket, day counters of the day the request was reserved on and of the day
+-- before (all in the team's slot).  ARGV: now_ms, tokens really used.
+-- Returns the tokens refunded (-1: nothing to settle).
+local r = redis.call('HMGET', KEYS[1], 'cost', 'tpm', 'day_key')
 if not r[1] then return -1 end
 redis.call('DEL', KEYS[1])
 local now = tonumber(ARGV[1])
 local refund = math.max(0, tonumber(r[1]) - tonumber(ARGV[2]))
 if refund == 0 then return 0 end
-local tpm = tonumber(r[3])
+local tpm = tonumber(r[2])
 if tpm > 0 then
-  local v = redis.call('HMGET', r[2], 'level', 'ts')
+  local v = redis.call('HMGET', KEYS[2], 'level', 'ts')
   local lvl = tonumber(v[1]) or tpm
   local ts = tonumber(v[2]) or now
   lvl = math.min(tpm, lvl + math.max(0, now - ts) * tpm / 60000.0 + refund)
-  redis.call('HSET', r[2], 'level', tostring(lvl), 'ts', now)
-  redis.call('PEXPIRE', r[2], 120000)
+  redis.call('HSET', KEYS[2], 'level', tostring(lvl), 'ts', now)
+  redis.call('PEXPIRE', KEYS[2], 120000)
 end
-if redis.call('EXISTS', r[4]) == 1 then redis.call('DECRBY', r[4], refund) end
+for _, day in ipairs({KEYS[3], KEYS[4]}) do
+  if r[3] == day and redis.call('EXISTS', day) == 1 then redis.call('DECRBY', day, refund) end
+end
 return refund
 """
 
@@ -173,9 +177,30 @@ def seconds_to_refill(left: float, limit: int) -> float:
     return max(0.0, (limit - left) * 60.0 / limit)
 
 
-async def settle(redis: aioredis.Redis, names: Names, request_id: str, used_tokens: int) -> int:
+def reserve_keys(names: Names, team: str, request_id: str, now: float) -> list[str]:
+    """KEYS of RESERVE_SCRIPT (all in the team's slot)."""
+    return [
+        names.quota_tokens(team),
+        names.quota_requests(team),
+        names.quota_day(team, utc_day(now)),
+        names.reservation(team, request_id),
+    ]
+
+
+def settle_keys(names: Names, team: str, request_id: str, now: float) -> list[str]:
+    """KEYS of SETTLE_SCRIPT: a reservation settles against the day counter it was charged to, today's
+    or (for a request that ran past midnight UTC) yesterday's."""
+    return [
+        names.reservation(team, request_id),
+        names.quota_tokens(team),
+        names.quota_day(team, utc_day(now)),
+        names.quota_day(team, utc_day(now - 86400)),
+    ]
+
+
+async def settle(redis: aioredis.Redis, names: Names, team: str, request_id: str, used_tokens: int) -> int:
     """Settle a request's reservation with the tokens it really used; returns the refund (-1: none held)."""
-    refund = await redis.eval(
-        SETTLE_SCRIPT, 1, names.reservation(request_id), int(time.time() * 1000), used_tokens
-    )
+    now = time.time()
+    keys = settle_keys(names, team, request_id, now)
+    refund = await redis.eval(SETTLE_SCRIPT, len(keys), *keys, int(now * 1000), used_tokens)
     return int(refund)

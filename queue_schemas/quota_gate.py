@@ -19,8 +19,8 @@ from queue_schemas.quota import (
     Reservation,
     TeamLimits,
     Verdict,
+    reserve_keys,
     seconds_to_refill,
-    utc_day,
 )
 
 MAX_RETRY_AFTER_S = 120
@@ -95,12 +95,7 @@ class QuotaGate:
         names = self._names
         try:
             reply = await self._reserve(
-                keys=[
-                    names.quota_tokens(team),
-                    names.quota_requests(team),
-                    names.quota_day(team, utc_day(now)),
-                    names.reservation(request_id),
-                ],
+                keys=reserve_keys(names, team, request_id, now),
                 args=[
                     int(now * 1000),
                     cost,

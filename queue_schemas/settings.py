@@ -27,6 +27,11 @@ class BusSettings(BaseSettings):
     kafka_heartbeat_interval_ms: int = Field(default=3_000, gt=0)
     kafka_request_timeout_ms: int = Field(default=10_000, gt=0)
     redis_max_connections: int = Field(default=64, gt=0)
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url names a node of a Redis Cluster: keys are routed by slot and streams "
+        "use sharded pub/sub (SPUBLISH, SSUBSCRIBE)",
+    )
     batch_headroom_fraction: float = Field(
         default=0.25,
         ge=0,
@@ -80,6 +85,12 @@ class BusSettings(BaseSettings):
     @property
     def names(self) -> Names:
         return Names(self.prefix)
+
+    @property
+    def stream_publish(self) -> str:
+        """The command that publishes a stream chunk: sharded on a Redis Cluster, so a chunk goes only to
+        the shard of its channel's slot instead of to every node."""
+        return "SPUBLISH" if self.redis_cluster else "PUBLISH"
 
     def load_pools(self) -> SluiceConfig:
         return load_config(self.config)

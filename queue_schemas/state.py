@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from queue_schemas.clients import mget_any
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import Heartbeat, WorkerState
@@ -43,7 +44,7 @@ async def read_heartbeats(
     ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
     if not ids:
         return [], []
-    raws = await redis.mget([names.heartbeat(pool, w) for w in ids])
+    raws = await mget_any(redis, [names.heartbeat(pool, w) for w in ids])
     beats = []
     gone = []
     for worker_id, raw in zip(ids, raws, strict=True):

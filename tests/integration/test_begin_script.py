@@ -32,7 +32,8 @@ async def test_the_first_chunk_goes_out_only_with_a_successful_start(bus: Bus) -
 
     async def start(rid: str, worker: str) -> str:
         keys = [names.cancelled(rid), names.placement(rid), names.started(rid), names.replay(rid)]
-        args: list[str | bytes | int] = [worker, STARTED_MARK_TTL_MS, names.stream_channel(rid)]
+        keys.append(names.stream_channel(rid))
+        args: list[str | bytes | int] = [worker, STARTED_MARK_TTL_MS, "PUBLISH"]
         args += [f"first of {rid}".encode(), 0, 60_000]
         outcome = await begin(keys=keys, args=args)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
@@ -80,7 +81,7 @@ async def test_chunks_are_fenced_on_the_placement_and_a_move_needs_the_log_as_it
 
     async def write(worker: str, seq: int) -> int:
         event = TokenChunk(request_id="fenced-01", seq=seq, text=f"t{seq}", num_tokens=1, token_ids=(seq,))
-        keys, args = chunk_args(names, event, encode(event), worker, 60_000, publish=True)
+        keys, args = chunk_args(names, event, encode(event), worker, 60_000, "PUBLISH")
         return int(await chunk(keys=keys, args=args))
 
     try:

@@ -146,7 +146,7 @@ async def test_an_unexpected_fault_in_one_request_ends_it_and_the_worker_goes_on
             assert isinstance(events[-1], ErrorChunk), events
             assert events[-1].code == ErrorCode.ENGINE_ERROR
             assert "".join(e.text for e in events if isinstance(e, TokenChunk)) == reply_text(request)[:3]
-            assert not await p.redis.exists(names.reservation(request.request_id))  # settled
+            assert not await p.redis.exists(names.reservation(request.team, request.request_id))  # settled
         day = await p.redis.keys(names.quota_day("dev", "*"))
         assert int(await p.redis.get(day[0]) or 0) == 2 * (50 + 3)  # prompt + the 3 tokens each produced
         await wait_acknowledged(p)

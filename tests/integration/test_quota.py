@@ -41,9 +41,9 @@ async def test_reserve_then_settle_charges_real_usage(redis: tuple[aioredis.Redi
     assert headers["x-ratelimit-remaining-requests"] == "9"
     assert await day_used(client, names, "a") == 300
 
-    assert await settle(client, names, "req-00000001", 120) == 180
+    assert await settle(client, names, "a", "req-00000001", 120) == 180
     assert await day_used(client, names, "a") == 120
-    assert await settle(client, names, "req-00000001", 0) == -1, "a second settle must refund nothing"
+    assert await settle(client, names, "a", "req-00000001", 0) == -1, "a second settle must refund nothing"
     assert await day_used(client, names, "a") == 120
 
 
@@ -83,7 +83,7 @@ async def test_refund_returns_tokens_to_the_minute_bucket(redis: tuple[aioredis.
     await gate.reserve("e", limits, "req-e0000001", cost=590, hold_s=60)
     with pytest.raises(RateLimited):
         await gate.reserve("e", limits, "req-e0000002", cost=300, hold_s=60)
-    await settle(client, names, "req-e0000001", 100)  # 490 back
+    await settle(client, names, "e", "req-e0000001", 100)  # 490 back
     await gate.reserve("e", limits, "req-e0000003", cost=300, hold_s=60)
 
 

@@ -52,7 +52,7 @@ async def test_a_stream_goes_on_without_a_gap_through_a_redis_restart(
         settings: BusSettings = p.settings
         names = settings.names
         hub_redis = redis_client(settings, retry=False)
-        hub = StreamHub(hub_redis, f"{names.prefix}:ingress:control", outage_s=30)
+        hub = StreamHub(hub_redis, names.ingress_control_channel(), outage_s=30)
         await hub.start()
         try:
             for _ in range(100):

@@ -1,0 +1,115 @@
+"""Every Lua script declares its keys, and they hash to one slot, so each runs on a Redis Cluster."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from dispatcher.acts import PLACE_SCRIPT, place_keys
+from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
+from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
+from queue_schemas.messages import TokenChunk
+from queue_schemas.names import Names
+from queue_schemas.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
+from queue_schemas.replay import CHUNK_SCRIPT, chunk_args
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("ingress", "dispatcher", "gpu_workers", "scaler", "queue_schemas", "infra")
+NAMES = Names("sluice")
+IDS = ("req-0001", "a1b2c3d4e5f6a7b8c9d0", "team-alpha", "chat-pool-1", "pool_odd_1")
+
+
+def slots(keys: list[str]) -> set[int]:
+    return {key_slot(k.encode()) for k in keys}
+
+
+def script_keys(rid: str) -> dict[str, list[str]]:
+    """The KEYS each script is called with, built by the same functions the services call."""
+    chunk = TokenChunk(request_id=rid, seq=0, text="a", num_tokens=1, token_ids=(1,))
+    return {
+        "CHUNK_SCRIPT": chunk_args(NAMES, chunk, b"", "w1", 1000, "SPUBLISH")[0],
+        "BEGIN_SCRIPT": begin_keys(NAMES, rid),
+        "PLACE_SCRIPT": place_keys(NAMES, rid),
+        "RESERVE_SCRIPT": reserve_keys(NAMES, rid, "req-9", 1.7e9),
+        "SETTLE_SCRIPT": settle_keys(NAMES, rid, "req-9", 1.7e9),
+        "MEMBERS_SCRIPT": [NAMES.dispatchers(rid)],
+        "LEASE_SCRIPT": [
+            NAMES.partition_lease(rid).format(topic=t, partition=p)
+            for t in (NAMES.requests_topic(rid), NAMES.batch_topic(rid))
+            for p in range(4)
+        ],
+    }
+
+
+@pytest.mark.parametrize("ident", IDS)
+def test_every_scripts_keys_share_one_slot(ident: str) -> None:
+    for name, keys in script_keys(ident).items():
+        assert keys, name
+        assert len(slots(keys)) == 1, f"{name} touches keys in several slots: {keys}"
+
+
+def test_every_script_in_the_code_is_checked_here() -> None:
+    found = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                    value = node.value.value
+                    if isinstance(value, str) and "redis.call(" in value:
+                        found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    assert found == set(script_keys("req-0001"))
+
+
+@pytest.mark.parametrize(
+    "script",
+    [CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT],
+)
+def test_scripts_touch_only_declared_keys(script: str) -> None:
+    """A key is never built or read from a value inside a script: each command's key is KEYS[i] or a
+    loop variable over KEYS."""
+    for match in re.finditer(r"redis\.call\(\s*([^,)]+)\s*,\s*([^,)]+)", script):
+        command, key = match.group(1).strip(), match.group(2).strip()
+        if command in ("'TIME'",):
+            continue
+        assert key.startswith("KEYS[") or key in ("key", "day"), f"{command} on {key}"
+
+
+def test_what_belongs_to_one_thing_shares_its_slot() -> None:
+    rid, worker, team, pool = "r-1", "w-1", "team-a", "chat"
+    request = [
+        NAMES.placement(rid), NAMES.cancelled(rid), NAMES.replay(rid), NAMES.started(rid),
+        NAMES.answered(rid), NAMES.stream_channel(rid),
+    ]  # fmt: skip
+    per_worker = [
+        NAMES.inbox(worker), NAMES.heartbeat(pool, worker), NAMES.kv_index(worker),
+        NAMES.kv_snapshot(worker), NAMES.recovery_lock(worker), NAMES.left_by(worker),
+        NAMES.drain_request(worker),
+    ]  # fmt: skip
+    per_team = [
+        NAMES.team(team), NAMES.signing_keys(team), NAMES.quota_tokens(team), NAMES.quota_requests(team),
+        NAMES.quota_day(team, "20261201"), NAMES.reservation(team, rid),
+    ]  # fmt: skip
+    per_pool = [
+        NAMES.held(pool, "d1"), NAMES.dispatchers(pool), NAMES.migrations(pool), NAMES.highwater(pool),
+        NAMES.batch_highwater(pool), NAMES.pool_state(pool), NAMES.workers(pool),
+    ]  # fmt: skip
+    for group in (request, per_worker, per_team, per_pool):
+        assert len(slots(group)) == 1, group
+    many = {key_slot(NAMES.stream_channel(f"r-{n}").encode()) for n in range(1000)}
+    assert len(many) > 900, "streams of different requests spread over the slots"
+
+
+def test_no_key_is_named_outside_names() -> None:
+    """Redis key and channel names are built only in queue_schemas.names."""
+    literal = re.compile(r"""f["']\{[^}]*prefix\}:""")
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "names.py" and literal.search(path.read_text())
+    ]
+    assert offenders == []
