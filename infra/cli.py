@@ -37,6 +37,12 @@ def dev(
     models_dir: Annotated[Path, typer.Option(help="where SmolLM2 is prepared and kept")] = Path(
         ".sluice/models"
     ),
+    ingress: Annotated[int, typer.Option(min=1, help="ingress processes, on consecutive ports")] = 1,
+    dispatchers: Annotated[int, typer.Option(min=1, help="dispatchers per pool")] = 2,
+    redis_cluster: Annotated[
+        int,
+        typer.Option(min=0, help="run a local Redis Cluster of this many primaries (each with a replica)"),
+    ] = 0,
 ) -> None:
     """Start the embedded stack (broker, Redis, every service) and keep it up until Ctrl-C."""
     from infra.devstack import DevStack, default_dev_config
@@ -50,7 +56,14 @@ def dev(
     elif config is None and engine != "simulated":
         console.print(f"[red]--engine must be vllm or simulated, not {engine!r}[/]")
         raise typer.Exit(2)
-    stack = DevStack(workdir, config, ingress_port=port)
+    stack = DevStack(
+        workdir,
+        config,
+        ingress_port=port,
+        ingresses=ingress,
+        dispatchers=dispatchers,
+        redis_cluster=redis_cluster,
+    )
     console.print("[bold]starting sluice dev stack[/] ...")
     try:
         endpoints = stack.start()
@@ -60,6 +73,8 @@ def dev(
     model = stack.config.pools[0].model
     for line in endpoints.env_lines():
         typer.echo(line)
+    if len(stack.ingress_urls) > 1:
+        typer.echo(f"# ingress processes: {' '.join(stack.ingress_urls)}")
     typer.echo(f"# written to {workdir / 'dev.env'}; logs in {stack.log_dir}")
     typer.echo("# try:")
     typer.echo(endpoints.curl(model))

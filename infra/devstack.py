@@ -24,6 +24,7 @@ from infra.launcher import (
     LocalCluster,
     ManagedProcess,
     free_port,
+    free_ports,
     port_is_free,
     spawn,
     start_broker,
@@ -115,6 +116,7 @@ class DevStack:
         self.config: SluiceConfig = load_config(self.config_path)
         self.log_dir = self.workdir / "logs"
         self.signing_key_file = self.workdir / "dev-signing-key.pem"  # the dev team's batch signer
+        self._taken: set[int] = set()
 
     def start(self) -> Endpoints:
         try:
@@ -134,8 +136,9 @@ class DevStack:
         ))  # fmt: skip
         if self.redis_cluster:
             assert self.front is None, "a cluster's clients reach every node directly"
-            ports = [redis_port, *(free_port() for _ in range(self.redis_cluster - 1))]
-            replicas = {p: free_port() for p in ports}
+            spare = [p for p in free_ports(2 * self.redis_cluster) if p not in (redis_port, kafka_port)]
+            ports = [redis_port, *spare[: self.redis_cluster - 1]]
+            replicas = dict(zip(ports, spare[self.redis_cluster - 1 :], strict=False))
             self.cluster = start_redis_cluster(ports, self.log_dir, replicas)
             self.processes += [*self.cluster.primaries, *self.cluster.replicas.values()]
         else:
@@ -151,7 +154,8 @@ class DevStack:
         )
         api_key = asyncio.run(self._prepare_bus(bus))
         ports = consecutive_free_ports(self.ingress_port, self.ingresses)
-        scaler_port = free_port()
+        self._taken.update(ports)
+        scaler_port = self._spare_port()
         env = self._service_env(bus)
         cli = [sys.executable, "-m", "infra.cli"]
         ingresses = []
@@ -162,7 +166,7 @@ class DevStack:
         self.processes += ingresses
         for pool in self.config.pools:
             for n in range(1, self.dispatchers + 1):
-                metrics_port = free_port()
+                metrics_port = self._spare_port()
                 self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
                 dispatcher_env = {**env, "SLUICE_METRICS_PORT": str(metrics_port)}
                 argv = [*cli, "dispatcher", "--pool", pool.name]
@@ -190,6 +194,13 @@ class DevStack:
         (self.workdir / "dev.env").write_text("\n".join(lines) + "\n")
         (self.workdir / "pids").write_text("".join(f"{p.name} {p.popen.pid}\n" for p in self.processes))
         return endpoints
+
+    def _spare_port(self) -> int:
+        """A free port that no process of the stack was given yet (one can be free until it binds)."""
+        while (port := free_port()) in self._taken:
+            pass
+        self._taken.add(port)
+        return port
 
     def _service_env(self, bus: BusSettings) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}

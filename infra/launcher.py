@@ -31,6 +31,17 @@ def free_port() -> int:
         return port
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` different free ports (each held open until all are chosen, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -221,11 +232,14 @@ def start_redis_cluster(
     replica for each primary named in `replica_ports` (primary port -> replica port), which a failover
     promotes about a second after its primary stops answering."""
     replica_ports = dict(replica_ports or {})
-    procs = {port: _cluster_node(port, log_dir) for port in [*ports, *replica_ports.values()]}
+    nodes = [*ports, *replica_ports.values()]
+    spare = iter(p for p in free_ports(2 * len(nodes)) if p not in nodes)
+    bus_ports = {port: next(spare) for port in nodes}
+    procs = {port: _cluster_node(port, bus, log_dir) for port, bus in bus_ports.items()}
     for port, (first, last) in zip(ports, slot_ranges(len(ports)), strict=True):
         _command(port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
     for port in list(procs)[1:]:
-        _command(ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port))
+        _command(ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port), str(bus_ports[port]))
     for primary, replica in replica_ports.items():
         node_id = _command(primary, "CLUSTER", "MYID").strip()
         _until(partial(_knows, replica, node_id), "replica meets its primary")
@@ -238,13 +252,14 @@ def start_redis_cluster(
     )
 
 
-def _cluster_node(port: int, log_dir: Path) -> ManagedProcess:
+def _cluster_node(port: int, bus_port: int, log_dir: Path) -> ManagedProcess:
     node_dir = log_dir / f"cluster-{port}"
     node_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         str(valkey_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
         "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
         "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0",
+        "--cluster-port", str(bus_port),  # the node-to-node bus; port + 10000 may not exist or be taken
     ]  # fmt: skip
     proc = spawn(f"redis-cluster-{port}", argv, log_dir)
     wait_until(proc, lambda: redis_answers(port), f"cluster node {port}", timeout=20)

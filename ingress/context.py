@@ -76,7 +76,7 @@ class IngressContext:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(names.cancelled(request_id), reason, px=CANCEL_MARK_TTL_MS)
-                pipe.publish(names.cancel_channel(), encode(notice))
+                pipe.execute_command("PUBLISH", names.cancel_channel(), encode(notice))  # see publisher.py
                 await pipe.execute()
         except RedisError as exc:
             log.warning("cancel notice not sent", request_id=request_id, error=str(exc))

@@ -257,6 +257,7 @@ async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscriptio
     try:
         sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(inference.request_id))
     except HubDisconnected as exc:
+        log.warning("stream not subscribed", request_id=inference.request_id, error=str(exc))
         await ctx.release(inference.team, inference.request_id)
         raise ServiceUnavailable("The stream relay is unavailable; retry shortly.") from exc
     try:

@@ -128,19 +128,35 @@ class StreamHub:
             await self._stop_shard(shard)
 
     async def subscribe(self, channel: str) -> Subscription:
-        if not self.connected:
+        # On a cluster only the connection to this channel's primary matters (see _home).
+        if not self._started or (self._cluster is None and not self.connected):
             raise HubDisconnected("pub/sub connection is down")
         key = channel.encode()
         sub = Subscription(self, key)
         confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._subs[key] = sub
         self._confirm[key] = confirmed
+        give_up = time.monotonic() + SUBSCRIBE_TIMEOUT_S
         try:
-            shard = await self._home(key)
-            async with shard.lock:
-                assert shard.pubsub is not None
-                await self._send_subscribe(shard.pubsub, key)
-            await asyncio.wait_for(confirmed, SUBSCRIBE_TIMEOUT_S)
+            while True:
+                shard = None
+                try:
+                    shard = await self._home(key)
+                    async with shard.lock:
+                        assert shard.pubsub is not None
+                        await self._send_subscribe(shard.pubsub, key)
+                    break
+                except (RedisError, OSError):
+                    # A connection that broke before its reader noticed; on a cluster, the slot's
+                    # primary may be failing over: read the slot map again and retry.
+                    if shard is not None:
+                        shard.connected.clear()  # not chosen again until its reader reconnects
+                    self._unassign(key)
+                    if self._cluster is None or time.monotonic() >= give_up:
+                        raise
+                    await asyncio.sleep(0.2)
+                    await self._read_slot_map()
+            await asyncio.wait_for(confirmed, max(0.5, give_up - time.monotonic()))
         except (RedisError, OSError, TimeoutError) as exc:
             self._forget(key)
             raise HubDisconnected(f"could not subscribe: {exc}") from exc
@@ -167,6 +183,9 @@ class StreamHub:
     # shards
     def _forget(self, key: bytes) -> None:
         self._subs.pop(key, None)
+        self._unassign(key)
+
+    def _unassign(self, key: bytes) -> None:
         name = self._shard_of.pop(key, None)
         if name in self._shards:
             self._shards[name].channels.discard(key)
@@ -191,24 +210,46 @@ class StreamHub:
                 await shard.redis.aclose()
 
     async def _home(self, key: bytes) -> _Shard:
-        """The connected shard that carries `key`, opened if needed; the channel is assigned to it."""
+        """The connected shard that carries `key`, opened if needed; the channel is assigned to it. On a
+        cluster whose primary for the slot is unreachable, the slot map is read again until a replica
+        has taken over, for up to SUBSCRIBE_TIMEOUT_S."""
         if self._cluster is None:
             shard = self._shards[SINGLE]
         else:
-            node = self._cluster.get_node_from_key(key.decode())
-            if node is None:
-                raise OSError("no node owns the channel's slot")
-            found = self._shards.get(node.name)
-            if found is None or found.retired:
-                if found is not None:
-                    await self._stop_shard(found)
-                assert self._node_client is not None
-                found = self._open_shard(node.name, self._node_client(node.host, int(node.port)))
-            shard = found
-            await self._wait_connected(shard, SUBSCRIBE_TIMEOUT_S)
+            give_up = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+            while True:
+                shard = await self._shard_for(key)
+                try:
+                    await self._wait_connected(shard, min(1.0, max(0.0, give_up - time.monotonic())))
+                    break
+                except OSError:
+                    if time.monotonic() >= give_up:
+                        raise
+                    await self._read_slot_map()
         shard.channels.add(key)
         self._shard_of[key] = shard.name
         return shard
+
+    async def _read_slot_map(self) -> None:
+        assert self._cluster is not None
+        try:
+            await self._cluster.nodes_manager.initialize()
+        except Exception as exc:
+            log.warning("slot map not read", error=repr(exc))
+
+    async def _shard_for(self, key: bytes) -> _Shard:
+        """The shard of the primary that owns `key`'s slot by the slot map as last read."""
+        assert self._cluster is not None
+        assert self._node_client is not None
+        node = self._cluster.get_node_from_key(key.decode())
+        if node is None:
+            raise OSError("no node owns the channel's slot")
+        found = self._shards.get(node.name)
+        if found is None or found.retired:
+            if found is not None:
+                await self._stop_shard(found)
+            found = self._open_shard(node.name, self._node_client(node.host, int(node.port)))
+        return found
 
     async def _wait_connected(self, shard: _Shard, within_s: float) -> None:
         try:
@@ -220,13 +261,14 @@ class StreamHub:
         """Move channels whose slots another primary owns now (after a failover or a slot move) to that
         primary's connection, each told to catch up from its log."""
         assert self._cluster is not None
-        with contextlib.suppress(RedisError, OSError):
-            await self._cluster.nodes_manager.initialize()
+        await self._read_slot_map()
         for key in keys:
             sub = self._subs.get(key)
             node = self._cluster.get_node_from_key(key.decode())
             if sub is None or node is None or node.name == self._shard_of.get(key):
                 continue  # still where it was: that connection's reconnect subscribes it again
+            if key in self._confirm:
+                continue  # still being subscribed: `subscribe` finds it a connection itself
             old = self._shards.get(self._shard_of.get(key, ""))
             if old is not None:
                 old.channels.discard(key)

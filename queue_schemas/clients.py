@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -16,7 +17,8 @@ import structlog
 from aiokafka.helpers import create_ssl_context
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ClusterDownError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -25,7 +27,7 @@ from queue_schemas.settings import BusSettings
 T = TypeVar("T")
 log = structlog.get_logger("sluice.clients")
 REDIS_RETRIES = 3
-CLUSTER_RETRIES = 8
+CLUSTER_FAILOVER_S = 10.0  # how long a cluster command waits for a lost primary's replica to take over
 
 
 def redis_client(settings: BusSettings, *, retry: bool = True) -> aioredis.Redis:
@@ -57,17 +59,45 @@ def redis_client(settings: BusSettings, *, retry: bool = True) -> aioredis.Redis
     return aioredis.Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
 
 
+class FailoverTolerantCluster(RedisCluster):
+    """A cluster client that rides out a failover: a command whose node is gone is sent again, with
+    backoff, for up to `failover_s` while the cluster promotes a replica (about two node timeouts).
+    redis-py's own retries re-read the slot map but do not wait, so alone they are spent before the
+    replica has taken over."""
+
+    failover_s = 0.0
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        give_up = time.monotonic() + self.failover_s
+        delay = 0.05
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError) as exc:
+                error: Exception = exc
+            except AttributeError as exc:
+                # redis-py can meet a connection its failure handling closed under it (its writer is
+                # gone); that is the same lost node, not a fault of the command.
+                if "NoneType" not in str(exc):
+                    raise
+                error = RedisConnectionError(f"connection closed during a failover: {exc}")
+            if time.monotonic() + delay > give_up:
+                raise error
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
 def _cluster_client(settings: BusSettings, options: dict[str, Any], retry: bool) -> aioredis.Redis:
-    cluster = RedisCluster.from_url(
+    cluster = FailoverTolerantCluster.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
         socket_connect_timeout=2.0,
         health_check_interval=15,
-        # A failover takes the cluster a few seconds: commands for the lost primary's slots are retried
-        # (the client re-reads the slot map between tries) rather than failed at once.
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.1), CLUSTER_RETRIES if retry else 0),
+        retry=Retry(NoBackoff(), REDIS_RETRIES if retry else 0),
         **options,
     )
+    assert isinstance(cluster, FailoverTolerantCluster)
+    cluster.failover_s = CLUSTER_FAILOVER_S if retry else 0.0
     return cast(aioredis.Redis, cluster)
 
 
@@ -78,7 +108,14 @@ def node_client(settings: BusSettings, host: str, port: int) -> aioredis.Redis:
     if settings.redis_url.startswith("rediss://"):
         options["ssl"] = True
     return aioredis.Redis(
-        host=host, port=port, socket_connect_timeout=2.0, health_check_interval=15, **options
+        host=host,
+        port=port,
+        socket_connect_timeout=2.0,
+        health_check_interval=15,
+        # No reconnecting inside a read: the hub must learn at once that a node is gone, to follow
+        # its slots to the replica that takes over.
+        retry=Retry(NoBackoff(), 0),
+        **options,
     )
 
 

@@ -111,12 +111,14 @@ class PipelinedPublisher:
     async def _execute(self, batch: list[_Call]) -> list[Any]:
         if len(batch) == 1 and batch[0].channel:
             return [await self._redis.publish(batch[0].channel, batch[0].message)]
+        # execute_command, not publish()/evalsha(): a cluster client refuses those two by name in a
+        # pipeline, though it routes them (EVALSHA by its keys) and sends each node's share as one.
         async with self._redis.pipeline(transaction=False) as pipe:
             for call in batch:
                 if call.channel:
-                    pipe.publish(call.channel, call.message)
+                    pipe.execute_command("PUBLISH", call.channel, call.message)
                 else:
-                    pipe.evalsha(self._sha, len(call.keys), *call.keys, *call.args)
+                    pipe.execute_command("EVALSHA", self._sha, len(call.keys), *call.keys, *call.args)
             return list(await pipe.execute(raise_on_error=False))
 
 

@@ -28,7 +28,7 @@ async def publish_heartbeat(redis: aioredis.Redis, names: Names, hb: Heartbeat) 
     async with redis.pipeline(transaction=False) as pipe:
         pipe.set(names.heartbeat(hb.pool, hb.worker_id), payload, px=hb.ttl_ms)
         pipe.sadd(names.workers(hb.pool), hb.worker_id)
-        pipe.publish(names.heartbeat_channel(hb.pool), payload)
+        pipe.execute_command("PUBLISH", names.heartbeat_channel(hb.pool), payload)  # see publisher.py
         await pipe.execute()
 
 

@@ -16,7 +16,14 @@ from queue_schemas.messages import DeadLetter
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 
-TIERS = ("unit", "integration", "e2e", "engine", "chaos")  # the folders under tests/, one marker each
+TIERS = (
+    "unit",
+    "integration",
+    "e2e",
+    "engine",
+    "chaos",
+    "cluster",
+)  # the folders under tests/, one marker each
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,0 +1,208 @@
+"""The whole path on a Redis Cluster: streamed chats through two ingresses, quotas, a signed batch, a
+dispatcher killed under load, and a primary that fails over under open streams.
+
+The failover test runs last: it leaves the cluster with one primary promoted from its replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from openai.types.chat import ChatCompletionMessageParam
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from infra.devstack import DevStack, Endpoints
+from infra.keys import create_key, set_team_limits
+from infra.launcher import slot_ranges
+from queue_schemas.names import Names
+from queue_schemas.quota import TeamLimits, utc_day
+from tests.cluster.conftest import with_cluster
+from tests.e2e.test_streaming_contract import chat_prompt_ids, sim_reply
+
+pytestmark = pytest.mark.timeout(180)
+
+Stack = tuple[DevStack, Endpoints]
+
+
+def messages(n: int) -> list[ChatCompletionMessageParam]:
+    return [{"role": "user", "content": f"question number {n} on the cluster"}]
+
+
+async def stream_one(url: str, key: str, model: str, n: int, max_tokens: int) -> dict[str, Any]:
+    """One streamed chat with the official client: its id, text, usage, or the error that ended it."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+    out: dict[str, Any] = {"n": n, "text": "", "id": None, "usage": None, "error": None}
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages(n), stream=True, max_tokens=max_tokens,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            out["id"] = chunk.id
+            if chunk.choices and chunk.choices[0].delta.content:
+                out["text"] += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                out["usage"] = chunk.usage.total_tokens
+    except openai.APIError as exc:
+        out["error"] = str(exc)
+    finally:
+        await client.close()
+    return out
+
+
+async def stream_many(
+    stack: DevStack, key: str, model: str, count: int, max_tokens: int, spacing_s: float = 0.0
+) -> list[dict[str, Any]]:
+    """`count` streams, alternating between the ingress processes."""
+    urls = stack.ingress_urls
+    tasks = []
+    for n in range(count):
+        tasks.append(asyncio.create_task(stream_one(urls[n % len(urls)], key, model, n, max_tokens)))
+        await asyncio.sleep(spacing_s)
+    return list(await asyncio.gather(*tasks))
+
+
+def fresh_key(endpoints: Endpoints, team: str, limits: TeamLimits | None = None) -> str:
+    async def go(redis: aioredis.Redis) -> str:
+        if limits is not None:
+            await set_team_limits(redis, Names(), team, limits)
+        return await create_key(redis, Names(), team)
+
+    return with_cluster(endpoints, go)
+
+
+def charged_today(endpoints: Endpoints, team: str) -> int:
+    async def go(redis: aioredis.Redis) -> int:
+        return int(await redis.get(Names().quota_day(team, utc_day(time.time()))) or 0)
+
+    return with_cluster(endpoints, go)
+
+
+def primaries_of(endpoints: Endpoints, request_ids: list[str]) -> dict[str, str]:
+    """The primary (host:port) that carries each request's stream channel."""
+
+    async def go(redis: aioredis.Redis) -> dict[str, str]:
+        client: Any = redis
+        assert isinstance(client, RedisCluster)
+        await client.initialize()
+        found = {}
+        for rid in request_ids:
+            node = client.get_node_from_key(Names().stream_channel(rid))
+            assert node is not None
+            found[rid] = node.name
+        return found
+
+    return with_cluster(endpoints, go)
+
+
+def assert_exact(results: list[dict[str, Any]], max_tokens: int) -> None:
+    for r in results:
+        assert r["error"] is None, f"stream {r['n']} failed: {r['error']}"
+        assert r["text"] == sim_reply(chat_prompt_ids(messages(r["n"])), max_tokens), f"stream {r['n']}"
+
+
+def test_streams_through_two_ingresses_over_three_shards(cluster_stack: Stack) -> None:
+    stack, endpoints = cluster_stack
+    assert len(stack.ingress_urls) == 2
+    key = fresh_key(endpoints, "spread")
+    results = asyncio.run(stream_many(stack, key, "sluice-sim", 24, 24))
+    assert_exact(results, 24)
+    request_ids = [r["id"].removeprefix("chatcmpl-") for r in results]
+    shards = set(primaries_of(endpoints, request_ids).values())
+    assert len(shards) == 3, f"24 streams should land on every primary, got {shards}"
+    assert charged_today(endpoints, "spread") == sum(r["usage"] for r in results)
+
+
+def test_quota_on_the_cluster(cluster_stack: Stack) -> None:
+    stack, endpoints = cluster_stack
+    key = fresh_key(endpoints, "capped", TeamLimits(tokens_per_minute=200))
+    client = openai.OpenAI(base_url=stack.ingress_urls[1] + "/v1", api_key=key, max_retries=0)
+    try:
+        first = client.chat.completions.create(model="sluice-sim", messages=messages(1), max_tokens=100)
+        assert first.usage is not None
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model="sluice-sim", messages=messages(2), max_tokens=150)
+        assert refused.value.code == "rate_limit_exceeded"
+    finally:
+        client.close()
+    assert charged_today(endpoints, "capped") == first.usage.total_tokens, "settled to what was used"
+
+
+def test_signed_batch_on_the_cluster(cluster_stack: Stack, tmp_path: Path) -> None:
+    stack, _ = cluster_stack
+    rows = [
+        {"custom_id": f"line-{n}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "sluice-sim", "messages": messages(n), "max_tokens": 16}}
+        for n in range(6)
+    ]  # fmt: skip
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env_lines = (stack.workdir / "dev.env").read_text().splitlines()
+    env = {**os.environ, **dict(line.split("=", 1) for line in env_lines if "=" in line)}
+    argv = [sys.executable, "-m", "infra.cli", "batch", "submit", str(source), "--team", "dev"]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [json.loads(line) for line in (tmp_path / "requests.output.jsonl").open()]
+    assert sorted(line["custom_id"] for line in lines) == [f"line-{n}" for n in range(6)]
+    for line in lines:
+        n = int(line["custom_id"].split("-")[1])
+        content = line["response"]["body"]["choices"][0]["message"]["content"]
+        assert content == sim_reply(chat_prompt_ids(messages(n)), 16)
+
+
+def test_kill_a_dispatcher_under_streams(cluster_stack: Stack) -> None:
+    """Streams over both ingresses while one of the pool's two dispatchers is killed: every stream ends
+    once, with exactly its answer, and the team is charged once per request."""
+    stack, endpoints = cluster_stack
+    key = fresh_key(endpoints, "survivor")
+
+    async def go() -> list[dict[str, Any]]:
+        load = asyncio.create_task(stream_many(stack, key, "sluice-slow", 40, 40, spacing_s=0.05))
+        await asyncio.sleep(0.8)
+        stack.halt("dispatcher-slow", kill=True)
+        return await load
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        stack.resume("dispatcher-slow")
+    assert_exact(results, 40)
+    assert charged_today(endpoints, "survivor") == sum(r["usage"] for r in results)
+
+
+def test_failover_of_a_primary_under_open_streams(cluster_stack: Stack) -> None:
+    """kill -9 of a primary that has a replica while streams run on every shard: the replica takes its
+    slots, and every stream ends with exactly its answer, those on the lost primary's slots too (their
+    ingress follows the slots to the replica and fills any gap from the replay log)."""
+    stack, endpoints = cluster_stack
+    assert stack.cluster is not None
+    key = fresh_key(endpoints, "failover")
+    victim = stack.cluster.primaries[1]
+
+    async def go() -> list[dict[str, Any]]:
+        load = asyncio.create_task(stream_many(stack, key, "sluice-slow", 30, 60, spacing_s=0.02))
+        await asyncio.sleep(1.0)
+        stack.halt(victim.name, kill=True)
+        return await asyncio.wait_for(load, 90)
+
+    started = time.monotonic()
+    results = asyncio.run(go())
+    print(f"failover: {len(results)} streams ended in {time.monotonic() - started:.1f} s")
+    assert_exact(results, 60)
+    first, last = slot_ranges(3)[1]
+    ids = [r["id"].removeprefix("chatcmpl-") for r in results]
+    moved = [rid for rid in ids if first <= key_slot(Names().stream_channel(rid).encode()) <= last]
+    assert moved, "some of the streams were carried by the primary that failed"
+    after = asyncio.run(stream_many(stack, key, "sluice-sim", 6, 12))
+    assert_exact(after, 12)
