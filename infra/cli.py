@@ -207,13 +207,32 @@ def plan_command(
     lora_modules: Annotated[
         str, typer.Option(help="comma-separated target modules; `all`: the seven vLLM allocates slots for")
     ] = "all",
+    open_streams: Annotated[
+        int | None, typer.Option(help="control plane: streams open at once (default: peak x request time)")
+    ] = None,
+    requests_per_s: Annotated[
+        float | None, typer.Option(help="control plane: requests per second (default: the peak)")
+    ] = None,
+    chunks_per_stream_s: Annotated[float, typer.Option(help="control plane: chunks a stream sends")] = 20.0,
+    pools: Annotated[int, typer.Option(min=1, help="control plane: pools sharing the traffic")] = 1,
 ) -> None:
-    """Capacity arithmetic, step by step: KV bytes per token to replicas, GPUs and cost at peak."""
+    """Capacity arithmetic, step by step: KV bytes per token to replicas, GPUs and cost at peak; then the
+    control plane for the same traffic (or --open-streams and --requests-per-s): Redis shards, Kafka
+    partitions, ingress and dispatcher replicas, from the per-unit figures in docs/scale.md."""
     from dataclasses import replace
 
     from rich.table import Table
 
-    from scaler.plan import GPUS, LORA_MODULES, MODELS, Deployment, Workload, plan
+    from scaler.plan import (
+        GPUS,
+        LORA_MODULES,
+        MODELS,
+        ControlTraffic,
+        Deployment,
+        Workload,
+        control_plan,
+        plan,
+    )
 
     if model not in MODELS or gpu not in GPUS:
         console.print(f"unknown preset; models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}")
@@ -231,12 +250,23 @@ def plan_command(
     except ValueError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None
-    table = Table(title=f"{model} on {tp} x {chosen_gpu.name}")
-    for column in ("quantity", "value", "how"):
-        table.add_column(column)
-    for row in result.steps():
-        table.add_row(*row)
-    Console().print(table)
+    rate = requests_per_s if requests_per_s is not None else peak
+    streams = open_streams if open_streams is not None else round(rate * result.request_seconds)
+    try:
+        control = control_plan(ControlTraffic(streams, rate, chunks_per_stream_s, pools=pools))
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
+    for title, steps in (
+        (f"{model} on {tp} x {chosen_gpu.name}", result.steps()),
+        (f"control plane: {streams:,} open streams, {rate:,.0f} requests/s", control.steps()),
+    ):
+        table = Table(title=title)
+        for column in ("quantity", "value", "how"):
+            table.add_column(column)
+        for row in steps:
+            table.add_row(*row)
+        Console().print(table)
 
 
 def main() -> None:

@@ -123,6 +123,15 @@ class StreamHub:
             await self._cluster.initialize()
         self._started = True
 
+    async def wait_ready(self, within_s: float) -> None:
+        """Until the hub can take subscriptions (a single server's connection is up); OSError if not
+        within `within_s`."""
+        give_up = time.monotonic() + within_s
+        while not (self.connected or (self._started and self._cluster is not None)):
+            if time.monotonic() > give_up:
+                raise OSError("pub/sub connection did not come up")
+            await asyncio.sleep(0.05)
+
     async def close(self) -> None:
         for shard in list(self._shards.values()):
             await self._stop_shard(shard)

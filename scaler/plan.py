@@ -172,3 +172,117 @@ def plan(model: ModelShape, gpu: Gpu, workload: Workload, deployment: Deployment
         model, gpu, workload, deployment, kv_per_token, adapter, replica_memory, kv_budget, kv_tokens,
         per_request, concurrent, seconds, rate, replicas, replicas * deployment.tensor_parallel, cost,
     )  # fmt: skip
+
+
+# The control plane: Redis shards, Kafka partitions, ingress and dispatcher replicas.
+
+
+@dataclass(frozen=True)
+class ControlFigures:
+    """What one unit of the control plane carries, as measured by `python -m bench.control_plane`
+    (docs/scale.md has the runs); override with figures from your own hardware."""
+
+    chunks_per_shard_s: float = 74_000  # one Valkey primary (one thread), logged and sharded-published
+    replay_bytes_per_chunk: float = 200  # Redis memory per chunk held in a replay log
+    chunks_per_ingress_core_s: float = 10_800  # relayed as SSE by one ingress process
+    requests_per_ingress_core_s: float = 425  # admitted: auth, tokenization, quota, produce, subscribe
+    ingress_kib_per_stream: float = 76  # resident memory of an ingress per open stream
+    placements_per_dispatcher_core_s: float = 970  # consumed, decided, claimed and appended
+    requests_per_partition_s: float = 1_000  # an assumption for a production Kafka, not measured here
+    utilization: float = 0.6  # run every unit at most this busy, for bursts and failover
+
+
+@dataclass(frozen=True)
+class ControlTraffic:
+    open_streams: int
+    requests_per_s: float
+    chunks_per_stream_s: float = 20.0
+    log_after_end_s: float = 120.0  # a replay log is kept this long after its stream ends
+    pools: int = 1
+    ingress_cores: int = 4  # one ingress process per core
+    ingress_memory_gib: float = 8.0
+    shard_memory_gib: float = 24.0  # usable memory of one Redis primary
+
+
+@dataclass(frozen=True)
+class ControlPlan:
+    traffic: ControlTraffic
+    figures: ControlFigures
+    chunks_per_s: float
+    shards_for_throughput: int
+    seconds_per_stream: float
+    logged_chunks: float
+    replay_memory_gib: float
+    shards_for_memory: int
+    shards: int
+    partitions_per_pool: int
+    ingress_cores_needed: float
+    ingress_for_cpu: int
+    ingress_for_memory: int
+    ingress_replicas: int
+    dispatchers_per_pool: int
+
+    def steps(self) -> list[tuple[str, str, str]]:
+        t, f = self.traffic, self.figures
+        u = f.utilization
+        per_pool = t.requests_per_s / t.pools
+        return [
+            ("chunks per second", f"{self.chunks_per_s:,.0f}",
+             f"{t.open_streams:,} open streams x {t.chunks_per_stream_s} chunks/s"),
+            ("Redis shards for throughput", f"{self.shards_for_throughput}",
+             f"ceil(chunks/s / ({f.chunks_per_shard_s:,.0f} per shard x {u} utilization))"),
+            ("seconds per stream", f"{self.seconds_per_stream:.1f}",
+             f"{t.open_streams:,} open / {t.requests_per_s:,.0f} req/s (Little's law)"),
+            ("chunks held in replay logs", f"{self.logged_chunks:,.0f}",
+             f"open streams x half their chunks + {t.requests_per_s:,.0f} req/s x {t.log_after_end_s:.0f} s "
+             "after the end x all their chunks"),
+            ("replay log memory", f"{self.replay_memory_gib:,.0f} GiB",
+             f"chunks held x {f.replay_bytes_per_chunk:.0f} B"),
+            ("Redis shards for memory", f"{self.shards_for_memory}",
+             f"ceil(replay memory / ({t.shard_memory_gib} GiB x {u}))"),
+            ("Redis shards (primaries)", f"{self.shards}", "the larger; add a replica to each for failover"),
+            ("Kafka partitions per pool", f"{self.partitions_per_pool}",
+             f"max(ceil({per_pool:,.0f} req/s / {f.requests_per_partition_s:,.0f} per partition), "
+             "2 x dispatchers)"),
+            ("ingress cores", f"{self.ingress_cores_needed:,.0f}",
+             f"(chunks/s / {f.chunks_per_ingress_core_s:,.0f} + req/s / {f.requests_per_ingress_core_s:,.0f})"
+             f" / {u}"),
+            ("ingress replicas", f"{self.ingress_replicas}",
+             f"max(cores / {t.ingress_cores} per replica = {self.ingress_for_cpu}, open streams x "
+             f"{f.ingress_kib_per_stream:.0f} KiB / ({t.ingress_memory_gib} GiB x {u}) = "
+             f"{self.ingress_for_memory})"),
+            ("dispatchers per pool", f"{self.dispatchers_per_pool}",
+             f"max(2, ceil({per_pool:,.0f} req/s / "
+             f"({f.placements_per_dispatcher_core_s:,.0f} per core x {u})))"),
+        ]  # fmt: skip
+
+
+def control_plan(traffic: ControlTraffic, figures: ControlFigures = ControlFigures()) -> ControlPlan:
+    """Size the control plane for `traffic` from per-unit `figures`."""
+    if traffic.open_streams < 0 or traffic.requests_per_s <= 0:
+        raise ValueError("open streams must be >= 0 and requests per second > 0")
+    u = figures.utilization
+    chunks = traffic.open_streams * traffic.chunks_per_stream_s
+    for_throughput = math.ceil(chunks / (figures.chunks_per_shard_s * u))
+    seconds = traffic.open_streams / traffic.requests_per_s
+    chunks_per_answer = seconds * traffic.chunks_per_stream_s
+    logged = traffic.open_streams * chunks_per_answer / 2
+    logged += traffic.requests_per_s * traffic.log_after_end_s * chunks_per_answer
+    memory_gib = logged * figures.replay_bytes_per_chunk / GIB
+    for_memory = math.ceil(memory_gib / (traffic.shard_memory_gib * u))
+    per_pool = traffic.requests_per_s / traffic.pools
+    dispatchers = max(2, math.ceil(per_pool / (figures.placements_per_dispatcher_core_s * u)))
+    partitions = max(math.ceil(per_pool / figures.requests_per_partition_s), 2 * dispatchers)
+    cores = (
+        chunks / figures.chunks_per_ingress_core_s
+        + traffic.requests_per_s / figures.requests_per_ingress_core_s
+    ) / u
+    for_cpu = math.ceil(cores / traffic.ingress_cores)
+    for_streams = math.ceil(
+        traffic.open_streams * figures.ingress_kib_per_stream * 1024 / (traffic.ingress_memory_gib * GIB * u)
+    )
+    return ControlPlan(
+        traffic, figures, chunks, for_throughput, seconds, logged, memory_gib, for_memory,
+        max(1, for_throughput, for_memory), partitions, cores, for_cpu, for_streams,
+        max(2, for_cpu, for_streams), dispatchers,
+    )  # fmt: skip

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
+from scaler.plan import GPUS, MODELS, ControlFigures, ControlTraffic, Deployment, Workload, control_plan, plan
 
 GIB = 1024**3
 
@@ -71,3 +71,45 @@ def test_lora_slots_come_out_of_the_kv_budget() -> None:
     assert not any(row[0].startswith("LoRA") for row in without.steps())
     with pytest.raises(ValueError, match="unknown LoRA target module"):
         m.adapter_bytes(8, ("lm_head",))
+
+
+def test_control_plane_against_hand_arithmetic() -> None:
+    figures = ControlFigures(
+        chunks_per_shard_s=50_000, replay_bytes_per_chunk=200, chunks_per_ingress_core_s=4_000,
+        requests_per_ingress_core_s=100, ingress_kib_per_stream=64, placements_per_dispatcher_core_s=500,
+        requests_per_partition_s=1_000, utilization=0.5,
+    )  # fmt: skip
+    traffic = ControlTraffic(
+        open_streams=100_000, requests_per_s=5_000, chunks_per_stream_s=10, log_after_end_s=60,
+        pools=2, ingress_cores=4, ingress_memory_gib=2, shard_memory_gib=10,
+    )  # fmt: skip
+    p = control_plan(traffic, figures)
+    assert p.chunks_per_s == 1_000_000  # 100,000 x 10
+    assert p.shards_for_throughput == 40  # 1e6 / (50,000 x 0.5)
+    assert p.seconds_per_stream == 20  # 100,000 / 5,000
+    # 200 chunks an answer: 100,000 open x 100 + 5,000/s x 60 s x 200
+    assert p.logged_chunks == 10_000_000 + 60_000_000
+    assert p.replay_memory_gib == pytest.approx(70_000_000 * 200 / GIB)  # 13.0 GiB
+    assert p.shards_for_memory == 3  # 13.04 / (10 x 0.5)
+    assert p.shards == 40
+    assert p.dispatchers_per_pool == 10  # 2,500 req/s per pool / (500 x 0.5)
+    assert p.partitions_per_pool == 20  # max(ceil(2,500 / 1,000) = 3, 2 x 10)
+    assert p.ingress_cores_needed == pytest.approx((1_000_000 / 4_000 + 5_000 / 100) / 0.5)  # 600
+    assert p.ingress_for_cpu == 150  # 600 / 4
+    assert p.ingress_for_memory == 7  # 100,000 x 64 KiB = 6.1 GiB / (2 GiB x 0.5)
+    assert p.ingress_replicas == 150
+    assert len(p.steps()) == 11
+    with pytest.raises(ValueError, match="requests per second"):
+        control_plan(ControlTraffic(open_streams=10, requests_per_s=0))
+
+
+def test_sluice_plan_prints_the_control_plane() -> None:
+    from typer.testing import CliRunner
+
+    from infra.cli import app
+
+    argv = ["plan", "--open-streams", "1000000", "--requests-per-s", "50000"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    assert "1,000,000 open streams" in result.output
+    assert "Redis shards (primaries)" in result.output
