@@ -319,8 +319,11 @@ class StreamHub:
             shard.connected.clear()
             now = time.monotonic()
             lost_at = now if lost_at is None else lost_at
-            if self._cluster is not None and shard.channels:
-                await self._rehome(set(shard.channels))
+            if self._cluster is not None:
+                if shard.channels:
+                    await self._rehome(set(shard.channels))
+                else:
+                    await self._read_slot_map()
                 if not shard.channels and not self._owns_slots(shard):
                     await self._stop_shard(shard)  # a primary that failed over: its streams moved
                     return

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -206,3 +207,5 @@ def test_failover_of_a_primary_under_open_streams(cluster_stack: Stack) -> None:
     assert moved, "some of the streams were carried by the primary that failed"
     after = asyncio.run(stream_many(stack, key, "sluice-sim", 6, 12))
     assert_exact(after, 12)
+    for url in stack.ingress_urls:  # each ingress let go of its connection to the lost primary
+        assert httpx.get(url + "/healthz", timeout=5).json() == {"status": "ok"}, url
