@@ -25,23 +25,19 @@ log = structlog.get_logger("sluice.dispatcher")
 # Claims the request for the worker: 'placed', then the dispatcher appends it to the worker's inbox (the
 # worker's slot, so a second step). A move goes ahead only while the lost worker still owns the request
 # and its log is as it was read ('changed' otherwise: the log is read again); the new owner fences the
-# old one out of the log. A request claimed earlier that no worker has started or answered returns
-# 'owned' and its owner: the claim may have been made by a dispatcher that died before the append, so
-# the append is made again (a worker drops a request it already holds).
+# old one out of the log. A request already claimed by another worker that has neither started it nor
+# answered it returns 'owned' and that worker: the claim may have been made by a dispatcher that died
+# before the append, so the append is made again (a worker drops a request it already holds).
 PLACE_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled', ''} end
 local owner = redis.call('GET', KEYS[1])
-if ARGV[3] == '' then
-  if owner then
-    if redis.call('EXISTS', KEYS[4]) == 1 or redis.call('EXISTS', KEYS[5]) == 1 then
-      return {'duplicate', owner}
-    end
-    return {'owned', owner}
+if owner and (ARGV[3] == '' or owner ~= ARGV[3]) then
+  if redis.call('GET', KEYS[4]) == owner or redis.call('EXISTS', KEYS[5]) == 1 then
+    return {'duplicate', owner}
   end
-else
-  if owner and owner ~= ARGV[3] then return {'duplicate', owner} end
-  if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return {'changed', ''} end
+  return {'owned', owner}
 end
+if ARGV[3] ~= '' and redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return {'changed', ''} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'placed', ARGV[1]}
 """
