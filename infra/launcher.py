@@ -237,13 +237,13 @@ def start_redis_cluster(
     bus_ports = {port: next(spare) for port in nodes}
     procs = {port: _cluster_node(port, bus, log_dir) for port, bus in bus_ports.items()}
     for port, (first, last) in zip(ports, slot_ranges(len(ports)), strict=True):
-        _command(port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+        node_command(port, "CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
     for port in list(procs)[1:]:
-        _command(ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port), str(bus_ports[port]))
+        node_command(ports[0], "CLUSTER", "MEET", "127.0.0.1", str(port), str(bus_ports[port]))
     for primary, replica in replica_ports.items():
-        node_id = _command(primary, "CLUSTER", "MYID").strip()
+        node_id = node_command(primary, "CLUSTER", "MYID").strip()
         _until(partial(_knows, replica, node_id), "replica meets its primary")
-        _command(replica, "CLUSTER", "REPLICATE", node_id)
+        node_command(replica, "CLUSTER", "REPLICATE", node_id)
     for port in procs:
         _until(partial(_cluster_ok, port), f"cluster ok at {port}")
         _until(partial(_knows_all, port, len(procs)), f"node {port} knows every node")
@@ -267,15 +267,15 @@ def _cluster_node(port: int, bus_port: int, log_dir: Path) -> ManagedProcess:
 
 
 def _knows(port: int, node_id: str) -> bool:
-    return node_id in _command(port, "CLUSTER", "NODES")
+    return node_id in node_command(port, "CLUSTER", "NODES")
 
 
 def _cluster_ok(port: int) -> bool:
-    return "cluster_state:ok" in _command(port, "CLUSTER", "INFO")
+    return "cluster_state:ok" in node_command(port, "CLUSTER", "INFO")
 
 
 def _knows_all(port: int, nodes: int) -> bool:
-    lines = [line for line in _command(port, "CLUSTER", "NODES").splitlines() if line.strip()]
+    lines = [line for line in node_command(port, "CLUSTER", "NODES").splitlines() if line.strip()]
     return len(lines) == nodes and not any("handshake" in line or "fail" in line for line in lines)
 
 
@@ -287,7 +287,7 @@ def _until(probe: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def _command(port: int, *args: str) -> str:
+def node_command(port: int, *args: str) -> str:
     """One command to a node, in RESP over a plain socket (the launcher needs no client library)."""
     payload = f"*{len(args)}\r\n" + "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
