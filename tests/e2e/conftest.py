@@ -133,6 +133,22 @@ def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
     return decode(Heartbeat, raw)
 
 
+def placed_on(endpoints: Endpoints, request_id: str) -> str:
+    """The worker the request was placed on, from its placement record."""
+
+    async def go() -> bytes | None:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            raw = await redis.get(Names().placement(request_id))
+            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
+        finally:
+            await redis.aclose()
+
+    raw = asyncio.run(go())
+    assert raw is not None, f"{request_id} has no placement record"
+    return raw.decode()
+
+
 def terminal_log(endpoints: Endpoints, request_id: str) -> list[StreamEvent]:
     """The request's replay log once it holds the terminal chunk; empty until then."""
 

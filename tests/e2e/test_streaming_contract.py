@@ -18,7 +18,7 @@ from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, InferenceRequest, SamplingParams, TokenChunk
 from queue_schemas.openai_types import ChatMessage
 from queue_schemas.tokenizer import ByteTokenizer
-from tests.e2e.conftest import day_used, heartbeat, openai_client, team_key, terminal_log
+from tests.e2e.conftest import day_used, heartbeat, openai_client, placed_on, team_key, terminal_log
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(90)
@@ -202,7 +202,9 @@ def test_disconnect_aborts_the_engine_and_charges_only_what_was_generated(endpoi
     # Stopped, not run to its 200 tokens (8 s at 40 ms each), and charged exactly what it generated.
     assert len(got) <= generated < 200
     assert day_used(endpoints, "disconnect") == len(prompt) + generated
-    until(lambda: heartbeat(endpoints, "slow", "slow-w0").running == 0, 10, "the engine reported idle")
+    # The worker that served it (the scaler may have replaced the pool's first worker by now).
+    worker = placed_on(endpoints, request_id)
+    until(lambda: heartbeat(endpoints, "slow", worker).running == 0, 10, "the engine reported idle")
 
 
 def test_prompt_tokens_come_from_the_pool_tokenizer(endpoints: Endpoints, tiny_tokenizer: object) -> None:
