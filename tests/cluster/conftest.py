@@ -55,7 +55,8 @@ FAST_STATE = {
 }
 
 
-@pytest.fixture(scope="session")
+# Module scope: the stack's dozen processes are stopped before the tiers that follow start theirs.
+@pytest.fixture(scope="module")
 def cluster_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevStack, Endpoints]]:
     workdir = tmp_path_factory.mktemp("cluster-stack")
     config = workdir / "pools.toml"
