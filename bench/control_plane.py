@@ -34,8 +34,9 @@ from typing import Any
 import httpx
 
 from bench.live import dev_stack, stream_chat
+from infra.devstack import Endpoints
 from infra.launcher import LocalCluster, ManagedProcess, free_ports, start_redis, start_redis_cluster
-from ingress.streams import StreamHub
+from ingress.streams import StreamHub, Subscription
 from queue_schemas.clients import node_client, redis_client
 from queue_schemas.messages import TokenChunk
 from queue_schemas.publisher import PipelinedPublisher
@@ -98,11 +99,11 @@ def _subscribe(settings: BusSettings, channels: list[str], seconds: float, ready
         received = 0
         stop = time.monotonic() + seconds * 4 / 3 + HUB_WARMUP_S  # the servers' rest third, then the load
 
-        async def drain(sub: object) -> None:
+        async def drain(sub: Subscription) -> None:
             nonlocal received
             while time.monotonic() < stop:
                 try:
-                    await sub.next(0.5)  # type: ignore[attr-defined]
+                    await sub.next(0.5)
                     received += 1
                 except TimeoutError:
                     continue
@@ -266,7 +267,7 @@ def proc_rss_mb(pid: int) -> float:
 
 
 async def keep_streams(
-    endpoints: object, streams: int, stop_at: float, tally: dict[str, int], max_tokens: int | None
+    endpoints: Endpoints, streams: int, stop_at: float, tally: dict[str, int], max_tokens: int | None
 ) -> None:
     """`streams` clients, each starting its next streamed answer when one ends, until `stop_at`."""
     limits = httpx.Limits(max_connections=streams + 10, max_keepalive_connections=streams + 10)
@@ -283,7 +284,7 @@ async def keep_streams(
                 body["max_tokens"] = max_tokens
             while time.monotonic() < stop_at:
                 try:
-                    done = await stream_chat(client, endpoints, body)  # type: ignore[arg-type]
+                    done = await stream_chat(client, endpoints, body)
                     tally["answers"] += 1
                     tally["chunks"] += done.chunks
                 except (RuntimeError, httpx.HTTPError):
@@ -293,7 +294,7 @@ async def keep_streams(
 
 
 def measure_window(
-    endpoints: object,
+    endpoints: Endpoints,
     pids: dict[str, int],
     streams: int,
     max_tokens: int | None,
