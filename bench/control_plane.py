@@ -23,7 +23,6 @@ import asyncio
 import multiprocessing
 import os
 import secrets
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,7 +34,14 @@ import httpx
 
 from bench.live import dev_stack, stream_chat
 from infra.devstack import Endpoints
-from infra.launcher import LocalCluster, ManagedProcess, free_ports, start_redis, start_redis_cluster
+from infra.launcher import (
+    LocalCluster,
+    ManagedProcess,
+    free_ports,
+    node_command,
+    start_redis,
+    start_redis_cluster,
+)
 from ingress.streams import StreamHub, Subscription
 from queue_schemas.clients import node_client, redis_client
 from queue_schemas.messages import TokenChunk
@@ -120,12 +126,7 @@ def server_info(ports: list[int], section: str, fields: tuple[str, ...]) -> floa
     """The sum of INFO `fields` over the servers on `ports`."""
     total = 0.0
     for port in ports:
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            conn.sendall(f"*2\r\n$4\r\nINFO\r\n${len(section)}\r\n{section}\r\n".encode())
-            data = b""
-            while data.count(b"\r\n") < 3 or not data.endswith(b"\r\n"):
-                data += conn.recv(65536)
-        for line in data.decode().splitlines():
+        for line in node_command(port, "INFO", section).splitlines():
             if line.startswith(tuple(f + ":" for f in fields)):
                 total += float(line.split(":")[1])
     return total

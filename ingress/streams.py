@@ -94,7 +94,6 @@ class StreamHub:
         self._node_client = node_client
         self._outage_s = outage_s
         self._control = control_channel.encode()
-        self._sharded = self._cluster is not None
         self._subs: dict[bytes, Subscription] = {}
         self._confirm: dict[bytes, asyncio.Future[None]] = {}
         self._shards: dict[str, _Shard] = {}
@@ -182,7 +181,7 @@ class StreamHub:
             return
         try:
             async with shard.lock:
-                if self._sharded:
+                if self._cluster is not None:
                     await shard.pubsub.sunsubscribe(sub.channel)
                 else:
                     await shard.pubsub.unsubscribe(sub.channel)
@@ -295,7 +294,7 @@ class StreamHub:
             sub.deliver(RESYNC)
 
     async def _send_subscribe(self, pubsub: PubSub, *keys: bytes) -> None:
-        if self._sharded:
+        if self._cluster is not None:
             for key in keys:  # one slot per SSUBSCRIBE
                 await pubsub.ssubscribe(key)
         elif keys:
