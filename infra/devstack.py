@@ -42,6 +42,8 @@ from queue_schemas.settings import BusSettings
 DEV_TEAM = "dev"
 INFRA_PROCESSES = ("broker", "redis")  # and the nodes of a local Redis Cluster, redis-cluster-PORT
 SERVICE_STOP_TIMEOUT_S = 15.0
+# How long a service process may take to answer on its first start (it fails at once if it exits).
+SERVICE_START_S = 180.0
 
 # The dev broker answers a waiting fetch only when the wait expires and joins groups in half the session
 # timeout, so the dev stack runs both short.
@@ -179,9 +181,11 @@ class DevStack:
         url = self.ingress_urls[0]
         scaler_url = f"http://127.0.0.1:{scaler_port}"
         self.metrics_urls += [*(f"{u}/metrics" for u in self.ingress_urls), f"{scaler_url}/metrics"]
+        # The ingresses load tokenizers and the schema compiler: seconds alone, minutes on two cores
+        # shared with engines that are starting.
         for ingress, ingress_url in zip(ingresses, self.ingress_urls, strict=True):
-            wait_until(ingress, partial(_http_ok, ingress_url + "/healthz"), ingress.name, timeout=60)
-        wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", timeout=60)
+            wait_until(ingress, partial(_http_ok, ingress_url + "/healthz"), ingress.name, SERVICE_START_S)
+        wait_until(scaler, lambda: _http_ok(scaler_url + "/healthz"), "scaler", SERVICE_START_S)
         asyncio.run(self._wait_workers_ready(bus, deadline_s=self.workers_ready_s))
         endpoints = Endpoints(url, api_key, bus.kafka_bootstrap, bus.redis_url, scaler_url)
         lines = [*endpoints.env_lines(), f"SLUICE_PREFIX={self.prefix}"]

@@ -54,9 +54,12 @@ def batch_file(path: Path) -> None:
 
 
 def output_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of an output file the submitter may be writing (a last line without its
+    newline is still being written)."""
     if not path.exists():
         return []
-    return [json.loads(t) for t in path.read_text().splitlines() if t.strip()]
+    text = path.read_text()
+    return [json.loads(t) for t in text[: text.rfind("\n") + 1].splitlines() if t.strip()]
 
 
 async def wait_for_lines(path: Path, at_least: int, within_s: float) -> None:
