@@ -155,6 +155,12 @@ class Hold:
         self._by_team[held.request.team] += 1
         return True
 
+    def holds_record(self, request_id: str, partition: tuple[str, int] | None, offset: int | None) -> bool:
+        """Whether the request is held from this very record: a record delivered again (the consumer's
+        position was reset by a reassignment) must not close the offset its held copy keeps open."""
+        held = self._by_id.get(request_id)
+        return held is not None and (held.partition, held.offset) == (partition, offset)
+
     def remove(self, request_id: str) -> Held | None:
         held = self._by_id.pop(request_id, None)
         if held is not None:

@@ -194,8 +194,12 @@ class Dispatcher:
                 done=lambda: self.offsets.closed(source, record.offset),
                 retry=lambda: self._unadmitted.append(record),
             )
-        elif request is None or not self.hold.add(Held(request, source, record.offset, time.monotonic())):
+        elif request is None:
             self.offsets.closed(source, record.offset)
+        elif not self.hold.add(Held(request, source, record.offset, time.monotonic())) and (
+            not self.hold.holds_record(request.request_id, source, record.offset)
+        ):
+            self.offsets.closed(source, record.offset)  # another record of a request already held
 
     async def _admit(self, record: ConsumerRecord[Any, Any]) -> None:
         try:
@@ -209,10 +213,14 @@ class Dispatcher:
                 await self.acts.dead_letter(record, str(exc))
             self.offsets.closed((record.topic, record.partition), record.offset)
             return
-        held = Held(request, (record.topic, record.partition), record.offset, time.monotonic())
+        source = (record.topic, record.partition)
+        held = Held(request, source, record.offset, time.monotonic())
         if not self.hold.add(held):
             metrics.OUTCOMES.labels(self.pool, "duplicate").inc()
-            self.offsets.closed((record.topic, record.partition), record.offset)
+            # The same record read again keeps its offset open for the held copy; another record of the
+            # request is done with.
+            if not self.hold.holds_record(request.request_id, source, record.offset):
+                self.offsets.closed(source, record.offset)
 
     # decide and act
     async def _place_held(self) -> None:

@@ -138,3 +138,19 @@ def test_on_a_tie_the_team_with_less_waiting_goes_first() -> None:
     hold.charge("flood", 500)
     hold.add(held("9", "quiet"))  # back from idle: level with flood at 500, one request waiting
     assert order(hold)[:2] == ["9", "1"]
+
+
+def test_a_record_read_again_is_recognised_as_the_one_held() -> None:
+    """A reassignment resets the consumer's position, so a record whose request is still held is
+    delivered again. Only a different record of the same request is a duplicate to be done with; the
+    same record's offset must stay open, or it is committed before its request is placed and lost if the
+    partition then moves."""
+    hold = Hold(10)
+    first = held("7", "a")
+    assert hold.add(first)
+    again = held("7", "a")
+    assert not hold.add(again)
+    assert hold.holds_record(first.request.request_id, ("t", 0), 7)
+    assert not hold.holds_record(first.request.request_id, ("t", 0), 8)  # a resubmission, later
+    assert not hold.holds_record(first.request.request_id, ("t", 1), 7)
+    assert not hold.holds_record("req-00000099", ("t", 0), 7)
