@@ -34,6 +34,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
+    _own_stacks_first(items)
+
+
+def _own_stacks_first(items: list[pytest.Item]) -> None:
+    """Within the e2e tier, the modules that start their own stack run before the first test of the
+    shared one (`dev_stack`, which lives until the tier's last test): two stacks at once on two cores
+    starve each other's engines."""
+    e2e = [n for n, item in enumerate(items) if "e2e" in item.keywords]
+    shared = [n for n in e2e if "dev_stack" in getattr(items[n], "fixturenames", ())]
+    ordered = [items[n] for n in e2e if n not in shared] + [items[n] for n in shared]
+    for n, item in zip(e2e, ordered, strict=True):
+        items[n] = item
 
 
 # Short group timings: the dev broker joins a group in half the session timeout.

@@ -67,16 +67,18 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("models") / "tiny-tokenizer")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def dev_stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path
 ) -> Iterator[tuple[DevStack, Endpoints]]:
-    """The same embedded stack `make run` starts (broker, Redis, every service as processes), more pools."""
+    """The same embedded stack `make run` starts (broker, Redis, every service as processes), more pools,
+    with one dispatcher per pool (two per pool are the cluster and chaos tiers' concern). It stops after
+    the e2e tier's last test: an idle stack still polls the broker, and the tiers after it need the cores."""
     workdir = tmp_path_factory.mktemp("stack")
     default = (Path(__file__).parents[2] / "queue_schemas" / "default_pools.toml").read_text()
     config = workdir / "pools.toml"
     config.write_text(default + EXTRA_POOLS.format(tokenizer=tiny_tokenizer))
-    stack = DevStack(workdir, config_path=config, extra_env=FAST_STATE)
+    stack = DevStack(workdir, config_path=config, extra_env=FAST_STATE, dispatchers=1)
     endpoints = stack.start()
     try:
         yield stack, endpoints
