@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from aiokafka import ConsumerRecord
+from redis.exceptions import RedisError
 
 from dispatcher import metrics
 from dispatcher.batch_intake import batch_request, parse_batch_body, plan_batch_output, prompt_ids
@@ -40,11 +41,12 @@ from queue_schemas.config import PoolConfig
 from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import Names
 from queue_schemas.openai_types import ChatCompletionRequest
-from queue_schemas.quota import TeamRecord
+from queue_schemas.quota import TeamRecord, settle
 from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.signing import Headers, read_signature, signature_valid
 from queue_schemas.structured import checked_param, xgrammar_check
 from queue_schemas.tokenizer import PromptTokenizer
+from queue_schemas.usage import UsageStatus, usage_event
 
 log = structlog.get_logger("sluice.dispatcher.batch")
 
@@ -59,6 +61,11 @@ class Refusal:
     so a slow reply topic never holds up placement)."""
 
     send: Callable[[], Awaitable[object]]
+
+
+class Signer(Enum):
+    TEAM = "team"
+    SERVICE = "service"
 
 
 class Reserve(Enum):
@@ -98,18 +105,22 @@ class BatchDesk:
         if isinstance(obj, str):
             await self._dead_letter(record, obj)
             return None
-        problem = await self._signature_problem(obj, raw, record.headers)
-        envelope = problem or read_envelope(obj, self.names, (self.pool.name,))
+        signer = await self._signer(obj, raw, record.headers)
+        envelope = signer if isinstance(signer, str) else read_envelope(obj, self.names, (self.pool.name,))
         if isinstance(envelope, str):
             await self._dead_letter(record, envelope)
             return None
         assert envelope.team is not None  # the signature proved it
         team = await self._team_record(envelope.team)
-        if team is None or not reply_topic_owned(
-            envelope.reply_topic, envelope.team, self.names, team.reply_prefixes
-        ):
-            owned = envelope.model_copy(update={"reply_topic": self.names.results_topic(envelope.team)})
-            return self._refusal(owned, record, _not_allowed(envelope, team))
+        if signer is Signer.SERVICE:  # a line of a /v1/batches batch: its answer goes to the collector
+            owned = envelope.reply_topic == self.names.batch_api_answers_topic()
+        else:
+            owned = team is not None and reply_topic_owned(
+                envelope.reply_topic, envelope.team, self.names, team.reply_prefixes
+            )
+        if team is None or not owned:
+            to_team = envelope.model_copy(update={"reply_topic": self.names.results_topic(envelope.team)})
+            return self._refusal(to_team, record, _not_allowed(envelope, team))
         sub = parse_submission(obj)
         if isinstance(sub, str):
             return self._refusal(envelope, record, InvalidRequest(sub, code="invalid_submission"))
@@ -125,14 +136,16 @@ class BatchDesk:
                 parsed = await self.checks.run(
                     lambda: plan_batch_output(sub, cheap, self._compile_check), param
                 )
-            return batch_request(sub, envelope.reply_topic, self.pool, parsed, ids, time.time())
+            request = batch_request(sub, envelope.reply_topic, self.pool, parsed, ids, time.time())
+            signature = read_signature(record.headers)
+            key_id = None if isinstance(signature, str) else signature[0]
+            return request.model_copy(update={"key_id": key_id})
         except ApiError as err:
             return self._refusal(envelope, record, err)
 
-    async def _signature_problem(
-        self, obj: dict[str, Any], raw: bytes, headers: Headers | None
-    ) -> str | None:
-        """Why the record is not proven to come from the team it names, or None when it is."""
+    async def _signer(self, obj: dict[str, Any], raw: bytes, headers: Headers | None) -> Signer | str:
+        """Who proved the record: the team it names (one of the team's keys), or a service that
+        authenticated the team itself (an ingress serving /v1/batches); or why the record is unproven."""
         team = obj.get("team")
         if not isinstance(team, str) or TEAM_NAME.match(team) is None:
             return "the record names no valid team"
@@ -140,12 +153,15 @@ class BatchDesk:
         if isinstance(signature, str):
             return signature
         key_id, sig = signature
+        signer = Signer.TEAM
         public = await self.redis.hget(self.names.signing_keys(team), key_id)
+        if public is None:
+            signer, public = Signer.SERVICE, await self.redis.get(self.names.service_signing_key(key_id))
         if public is None:
             return f"signing key {key_id!r} is not registered for team {team!r}"
         if not signature_valid(public, raw, sig):
             return f"the signature does not match the record (key {key_id!r} of team {team!r})"
-        return None
+        return signer
 
     async def _team_record(self, team: str) -> TeamRecord | None:
         """The team's record, remembered for TEAM_CACHE_S; None when the team has none (refused)."""
@@ -185,6 +201,14 @@ class BatchDesk:
             held.not_before = now + int(err.headers.get("retry-after-ms", "1000")) / 1000
             return Reserve.WAIT
         except InsufficientQuota as err:
+            event = usage_event(request, UsageStatus.FAILED, None, now, error_code="insufficient_quota")
+            try:
+                await settle(
+                    self.redis, self.names, request.team, request.request_id, 0, event, unreserved=True
+                )
+            except RedisError:
+                held.not_before = now + QUOTA_STORE_RETRY_S
+                return Reserve.WAIT
             answer = http_answer(
                 request.request_id, request.batch.request_id, request.batch.custom_id, err.status, err.body()
             )

@@ -44,11 +44,12 @@ from queue_schemas.answers import AnswerSink
 from queue_schemas.clients import BusUnavailable, mget_any
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority
+from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority, Usage
 from queue_schemas.quota import settle
 from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
 from queue_schemas.state import follow_channel
 from queue_schemas.tokenizer import PromptTokenizer
+from queue_schemas.usage import UsageStatus, usage_event
 
 log = structlog.get_logger("sluice.dispatcher")
 REDIS_PAUSE_S = 0.5  # between placement rounds while Redis does not answer
@@ -299,7 +300,10 @@ class Dispatcher:
             return False  # the lost worker's log grew meanwhile: read again next round
         metrics.OUTCOMES.labels(self.pool, outcome).inc()
         if outcome == "cancelled":
-            await settle(self.redis, self.names, request.team, request.request_id, 0)
+            await self._settle_ended(request, UsageStatus.CANCELLED, ErrorCode.CANCELLED)
+            if request.batch is not None:
+                self._answer_cancelled(held)  # it leaves the hold once the answer is out
+                return True
         self._finish(held)
         return True
 
@@ -321,7 +325,9 @@ class Dispatcher:
             return None
         metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
         log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=move.reason)
-        await settle(self.redis, self.names, lost.team, lost.request_id, move.used_tokens)
+        prompt = min(move.used_tokens, lost.client_prompt_tokens)
+        usage = Usage(prompt_tokens=prompt, completion_tokens=move.used_tokens - prompt)
+        await self._settle_ended(lost, UsageStatus.FAILED, ErrorCode.WORKER_LOST, usage)
         message = f"the worker serving the request was lost, and {move.reason}"
         self._answer_soon(
             held, partial(self._answer_error, lost, ErrorCode.WORKER_LOST, message, move.logged)
@@ -334,6 +340,21 @@ class Dispatcher:
         with contextlib.suppress(RedisError):
             await self.redis.hincrby(self.names.migrations(self.pool), outcome, 1)
 
+    async def _settle_ended(
+        self, request: InferenceRequest, status: UsageStatus, code: str, usage: Usage | None = None
+    ) -> None:
+        """Settle a request that ends here, with its usage event (written even when it reserved nothing,
+        as a batch request that never reached a worker did)."""
+        used = 0 if usage is None else usage.total_tokens
+        event = usage_event(request, status, usage, time.time(), error_code=code)
+        await settle(self.redis, self.names, request.team, request.request_id, used, event, unreserved=True)
+
+    def _answer_cancelled(self, held: Held) -> None:
+        """A batch request cancelled before it reached a worker is answered `cancelled`: whoever cancelled
+        it waits for one answer per request (an interactive one's client has gone)."""
+        message = "the request was cancelled before it started"
+        self._answer_soon(held, partial(self._answer_error, held.request, ErrorCode.CANCELLED, message))
+
     def _finish(self, held: Held) -> None:
         """The request leaves the hold; its record no longer holds its partition's commit back."""
         self.hold.remove(held.request.request_id)
@@ -343,7 +364,7 @@ class Dispatcher:
     async def _expire(self) -> None:
         for held in self.hold.expired(time.time()):
             # Settled before it leaves the hold: if Redis fails here, the next round tries again.
-            await settle(self.redis, self.names, held.request.team, held.request.request_id, 0)
+            await self._settle_ended(held.request, UsageStatus.FAILED, ErrorCode.TIMEOUT)
             late = "no worker could take the request in time"
             resume = held.request.resume  # a moved request's error follows what its client has
             seq = 0 if resume is None else resume.next_seq
@@ -472,10 +493,12 @@ class Dispatcher:
             return
         held = self.hold.remove(notice.request_id)
         if held is not None:
-            if held.partition is not None and held.offset is not None:
-                self.offsets.closed(held.partition, held.offset)
             metrics.OUTCOMES.labels(self.pool, "cancelled").inc()
-            await settle(self.redis, self.names, held.request.team, notice.request_id, 0)
+            await self._settle_ended(held.request, UsageStatus.CANCELLED, ErrorCode.CANCELLED)
+            if held.request.batch is not None:
+                self._answer_cancelled(held)  # its offset closes once the answer is out
+            elif held.partition is not None and held.offset is not None:
+                self.offsets.closed(held.partition, held.offset)
 
     # answers
     async def _answer_error(self, request: InferenceRequest, code: str, message: str, seq: int = 0) -> None:

@@ -18,6 +18,7 @@ from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tok
 from queue_schemas.names import Names
 from queue_schemas.publisher import PipelinedPublisher
 from queue_schemas.replay import chunk_args, is_terminal, log_ttl_ms
+from queue_schemas.usage import Timing
 
 log = structlog.get_logger("sluice.worker")
 
@@ -53,6 +54,7 @@ class RequestOutput:
         self._outage_s = outage_s
         self._publish_command = publish_command  # PUBLISH, or SPUBLISH on a Redis Cluster
         self._parts: list[str] = [] if request.resume is None else [request.resume.text]
+        self.timing = Timing(began=time.time())  # for the request's usage event
 
     async def emit(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
         """Log the chunk and stream it to the client's channel; for a batch request, gather it and

@@ -12,6 +12,7 @@ import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -58,6 +59,7 @@ from queue_schemas.messages import (
     InferenceRequest,
     Priority,
     TokenChunk,
+    Usage,
     WorkerState,
 )
 from queue_schemas.names import INBOX_FIELD
@@ -65,6 +67,7 @@ from queue_schemas.publisher import PipelinedPublisher
 from queue_schemas.quota import settle
 from queue_schemas.replay import CHUNK_SCRIPT, log_ttl_ms
 from queue_schemas.state import follow_channel, publish_heartbeat
+from queue_schemas.usage import UsageEvent, UsageStatus, usage_event
 
 RECENT_REQUESTS = 4096  # request ids a worker remembers having run, to drop an entry appended twice
 log = structlog.get_logger("sluice.worker")
@@ -399,6 +402,7 @@ class Worker:
             first = await anext(pieces, None)
             if first is None:
                 raise EngineError("the engine ended the request without output")
+            out.timing = replace(out.timing, first_token=time.time())
         except EngineError:
             outcome = await self._begin(request)
             if outcome == "ok":
@@ -418,7 +422,8 @@ class Worker:
 
     async def _deliver(self, out: RequestOutput, chunk: TokenChunk | FinalChunk | None) -> None:
         if isinstance(chunk, FinalChunk):
-            await self._settle(out.request, chunk.usage.total_tokens)
+            event = usage_event(out.request, UsageStatus.COMPLETED, chunk.usage, time.time(), out.timing)
+            await self._settle(out.request, chunk.usage.total_tokens, event)
             self.completions.record(time.monotonic())
         if chunk is not None:
             await out.emit(chunk)
@@ -434,10 +439,10 @@ class Worker:
         outcome = await self._begin_script(keys=keys, args=args)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
 
-    async def _settle(self, request: InferenceRequest, used_tokens: int) -> None:
+    async def _settle(self, request: InferenceRequest, used_tokens: int, usage: UsageEvent) -> None:
         TEAM_TOKENS.labels(request.pool, request.team).inc(used_tokens)
         try:
-            await settle(self.redis, self.names, request.team, request.request_id, used_tokens)
+            await settle(self.redis, self.names, request.team, request.request_id, used_tokens, usage)
         except RedisError as exc:
             log.warning("quota not settled", request_id=request.request_id, error=str(exc))
 
@@ -446,8 +451,12 @@ class Worker:
     ) -> None:
         """Settle what the engine really did (nothing, if it never started), then send the error chunk."""
         request = out.request
-        used = request.client_prompt_tokens + coalescer.completion_tokens if started else 0
-        await self._settle(request, used)
+        prompt = request.client_prompt_tokens if started else 0
+        used = prompt + coalescer.completion_tokens if started else 0
+        status = UsageStatus.CANCELLED if code == ErrorCode.CANCELLED else UsageStatus.FAILED
+        usage = Usage(prompt_tokens=prompt, completion_tokens=coalescer.completion_tokens if started else 0)
+        event = usage_event(request, status, usage, time.time(), out.timing, error_code=code)
+        await self._settle(request, used, event)
         pending = coalescer.flush()
         chunk = ErrorChunk(request_id=request.request_id, seq=coalescer.seq, code=code, message=message)
         if request.batch is not None:

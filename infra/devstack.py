@@ -214,6 +214,7 @@ class DevStack:
             SLUICE_REDIS_URL=bus.redis_url,
             SLUICE_REDIS_CLUSTER="1" if bus.redis_cluster else "0",
             SLUICE_PREFIX=bus.prefix,
+            SLUICE_FILES_STORE=str((self.workdir / "files").resolve()),
             PYTHONUNBUFFERED="1",
         )
         if self.config_path is not None:

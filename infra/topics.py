@@ -14,12 +14,14 @@ RESULTS_PARTITIONS = 4
 
 
 def pool_topics(config: SluiceConfig, names: Names, replication: int, teams: list[str]) -> list[NewTopic]:
-    """Requests and batch topics per pool (partitions from the pool), the dead-letter topic, and a
-    results topic per named team."""
+    """Requests and batch topics per pool (partitions from the pool), the dead-letter topic, the usage
+    topic, the answers topic of /v1/batches, and a results topic per named team."""
     topics = [NewTopic(names.requests_topic(p.name), p.partitions, replication) for p in config.pools]
     topics += [NewTopic(names.batch_topic(p.name), p.partitions, replication) for p in config.pools]
     topics += [NewTopic(names.results_topic(team), RESULTS_PARTITIONS, replication) for team in teams]
     topics.append(NewTopic(names.deadletter_topic(), 1, replication))
+    topics.append(NewTopic(names.usage_topic(), RESULTS_PARTITIONS, replication))
+    topics.append(NewTopic(names.batch_api_answers_topic(), RESULTS_PARTITIONS, replication))
     return topics
 
 

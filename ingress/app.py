@@ -13,14 +13,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import Authenticator
+from ingress.batch_keeper import BatchKeeper
+from ingress.batch_routes import router as batch_router
 from ingress.context import IngressContext
 from ingress.pool_gate import PoolGate
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
+from ingress.usage_relay import UsageRelay
 from queue_schemas.api_errors import ApiError, MethodNotAllowed, NotFound
-from queue_schemas.clients import node_client, producer_options, redis_client, with_backoff
+from queue_schemas.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
 from queue_schemas.model_store import ModelStore
+from queue_schemas.object_store import object_store
 from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.structured import preload_schema_compiler
 from queue_schemas.tokenizer import tokenizer_for
@@ -55,6 +59,14 @@ def create_app(settings: IngressSettings) -> FastAPI:
         )
         await hub.start()
         names = settings.names
+        files = object_store(settings.files_store)
+        keeper = BatchKeeper(
+            names, pools, redis, producer, files,
+            consumer_options(settings, names.batch_api_collector_group()), settings.batch_keeper_interval_s,
+        )  # fmt: skip
+        await keeper.start()
+        relay = UsageRelay(names, redis, producer, settings.batch_keeper_interval_s)
+        relay.start()
         app.state.ctx = IngressContext(
             settings,
             pools,
@@ -65,12 +77,15 @@ def create_app(settings: IngressSettings) -> FastAPI:
             Authenticator(redis, names),
             QuotaGate(redis, names),
             PoolGate(redis, names),
+            files,
         )
         log.info("ingress ready", pools=[p.name for p in pools.pools])
         try:
             yield
         finally:
             app.state.ctx.checks.close()
+            await relay.close()
+            await keeper.close()
             await hub.close()
             await producer.stop()
             await redis.aclose()
@@ -78,6 +93,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     app = FastAPI(title="sluice ingress", lifespan=lifespan, openapi_url="/openapi.json", docs_url=None)
     app.include_router(router)
+    app.include_router(batch_router)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

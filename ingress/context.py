@@ -22,6 +22,7 @@ from queue_schemas.checks import CheckRunner
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import CancelNotice, InferenceRequest, StreamEvent
+from queue_schemas.object_store import ObjectStore
 from queue_schemas.quota import settle
 from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.replay import read_log
@@ -43,6 +44,7 @@ class IngressContext:
     auth: Authenticator
     quota: QuotaGate
     pool_gate: PoolGate
+    files: ObjectStore
     checks: CheckRunner = field(default_factory=CheckRunner)  # schema checks, after the quota gate
     background: set[asyncio.Task[None]] = field(default_factory=set)
 

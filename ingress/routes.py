@@ -211,6 +211,7 @@ async def serve(
     inference = admission.build_request(
         body, pool, team.key.team, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
+        key_id=team.key.key_id,
     )  # fmt: skip
     try:
         await ctx.pool_gate.check(pool)

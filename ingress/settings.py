@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from queue_schemas.batch_api import MAX_FILE_BYTES
 from queue_schemas.settings import BusSettings
 
 
@@ -16,3 +17,11 @@ class IngressSettings(BusSettings):
         description="how long open streams wait for a lost Redis connection to come back before they end",
     )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    files_store: str = Field(
+        default=".sluice/files",
+        description="where /v1/files keeps file contents: a local folder or s3://bucket/prefix",
+    )
+    files_max_bytes: int = Field(default=MAX_FILE_BYTES, gt=0, le=MAX_FILE_BYTES)
+    batch_keeper_interval_s: float = Field(
+        default=0.5, gt=0, description="how often the batch keeper and the usage relay look for work"
+    )

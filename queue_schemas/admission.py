@@ -55,6 +55,7 @@ def build_request(
     now: float,
     timeout_s: float,
     structured: StructuredOutput | None = None,
+    key_id: str | None = None,
 ) -> InferenceRequest:
     max_tokens = completion_tokens_allowed(body, pool, len(prompt_token_ids))
     sampling = SamplingParams(
@@ -75,6 +76,7 @@ def build_request(
         model=pool.model,
         adapter=adapter,
         team=team,
+        key_id=key_id,
         prompt_token_ids=tuple(prompt_token_ids),
         block_hashes=tuple(block_hashes(prompt_token_ids, pool.block_size, salt=salt)),
         cache_salt=salt,

@@ -41,6 +41,11 @@ class PayloadTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class LengthRequired(InvalidRequest):
+    status = 411
+    code = "length_required"
+
+
 class AuthenticationFailed(ApiError):
     status = 401
     type = "invalid_request_error"

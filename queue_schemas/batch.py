@@ -135,10 +135,11 @@ def reply_topic_problem(topic: str, names: Names, pools: tuple[str, ...]) -> str
 
 def reply_topic_owned(topic: str, team: str, names: Names, reply_prefixes: tuple[str, ...]) -> bool:
     """Whether `team` may have answers sent to `topic`: its results topic, or a topic under a prefix
-    registered for it that is not another team's results topic."""
+    registered for it that is not one of the deployment's own topics (another team's results, the
+    answers of /v1/batches, usage)."""
     if topic == names.results_topic(team):
         return True
-    if topic.startswith(names.results_topic("")):
+    if topic.startswith(names.prefix + "."):  # the deployment's own topics: other teams', internal ones
         return False
     return any(prefix and topic.startswith(prefix) for prefix in reply_prefixes)
 

@@ -127,6 +127,9 @@ class InferenceRequest(Message):
     pool: Name
     model: str = Field(min_length=1, max_length=256)
     team: Name
+    key_id: str | None = Field(
+        default=None, max_length=64, description="the API key or signing key that sent it (usage events)"
+    )
     prompt_token_ids: tuple[int, ...] = Field(min_length=1)
     block_hashes: tuple[str, ...] = ()
     cache_salt: str | None = Field(

@@ -30,6 +30,17 @@ class Names:
     def dispatcher_group(self, pool: str) -> str:
         return f"{self.prefix}.dispatcher.{pool}"
 
+    def usage_topic(self) -> str:
+        """One UsageEvent (queue_schemas.usage) per ended request, keyed by its request id."""
+        return f"{self.prefix}.usage"
+
+    def batch_api_answers_topic(self) -> str:
+        """Answers to the lines of batches created through /v1/batches (internal: services only)."""
+        return f"{self.prefix}.batchapi.answers"
+
+    def batch_api_collector_group(self) -> str:
+        return f"{self.prefix}.batchapi.collector"
+
     # Redis keys
     def api_key(self, key_sha256: str) -> str:
         return f"{self.prefix}:apikey:{{{key_sha256}}}"
@@ -40,6 +51,44 @@ class Names:
     def signing_keys(self, team: str) -> str:
         """Hash: key id -> base64 Ed25519 public key of the team's batch signers."""
         return f"{self.prefix}:signkeys:{{{team}}}"
+
+    def service_signing_key(self, key_id: str) -> str:
+        """Base64 Ed25519 public key of a service (an ingress running /v1/batches) that signs batch lines
+        for the team whose key it authenticated."""
+        return f"{self.prefix}:svckey:{{{key_id}}}"
+
+    def usage_outbox(self, team: str) -> str:
+        """Stream: the team's usage events, written by the settle script, until the relay produces them."""
+        return f"{self.prefix}:usage:{{{team}}}"
+
+    def usage_mark(self, team: str, request_id: str) -> str:
+        """Set once the request's usage event is written: a request has one event, whoever ends it."""
+        return f"{self.prefix}:usagemark:{{{team}}}:{request_id}"
+
+    def file_record(self, team: str, file_id: str) -> str:
+        return f"{self.prefix}:file:{{{team}}}:{file_id}"
+
+    def files(self, team: str) -> str:
+        """Sorted set: the team's file ids by creation time."""
+        return f"{self.prefix}:files:{{{team}}}"
+
+    def batch_record(self, team: str, batch_id: str) -> str:
+        return f"{self.prefix}:batchapi:{{{team}}}:{batch_id}"
+
+    def batches(self, team: str) -> str:
+        """Sorted set: the team's batch ids by creation time."""
+        return f"{self.prefix}:batches:{{{team}}}"
+
+    def batch_lines(self, team: str, batch_id: str) -> str:
+        """Hash: input line number -> its output line, one per line however often it is answered."""
+        return f"{self.prefix}:batchout:{{{team}}}:{batch_id}"
+
+    def batch_lease(self, team: str, batch_id: str) -> str:
+        return f"{self.prefix}:batchlease:{{{team}}}:{batch_id}"
+
+    def active_batches(self) -> str:
+        """Set of `<team>/<batch id>` not yet final, which every ingress's batch keeper works through."""
+        return f"{self.prefix}:batchapi:active"
 
     def quota_tokens(self, team: str) -> str:
         return f"{self.prefix}:quota:tpm:{{{team}}}"

@@ -7,7 +7,8 @@ dropped it, ingress if it never got queued) settles it with the tokens really us
 the reservation goes back to the minute bucket and the day's counter. Settling is idempotent: the
 reservation record is deleted by the first settle, so a second one refunds nothing.
 
-The scripts touch keys named inside the reservation record, so they assume one Redis (not a cluster).
+Settling a request that ended also writes its usage event (queue_schemas.usage), in the same script.
+Every key a script touches is in the team's hash slot.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from queue_schemas.messages import Name
 from queue_schemas.names import Names
+from queue_schemas.usage import USAGE_MARK_TTL_MS, UsageEvent
 
 
 class TeamLimits(BaseModel):
@@ -105,25 +107,37 @@ return {0, 0, tostring(tokens_left), tostring(requests_left), tostring(daily_use
 
 SETTLE_SCRIPT = """
 -- KEYS: reservation, tokens bucket, day counters of the day the request was reserved on and of the day
--- before (all in the team's slot).  ARGV: now_ms, tokens really used.
--- Returns the tokens refunded (-1: nothing to settle).
+-- before, the request's usage mark, the team's usage outbox (all in the team's slot).
+-- ARGV: now_ms, tokens really used, usage event ('' for none), '1' to write the event even when no
+-- reservation is held (a request that ended before it reserved anything), usage mark ttl ms.
+-- Returns the tokens refunded (-1: nothing to settle). The event goes to the outbox once per request,
+-- with what the team was charged (the reservation less the refund; 0 without one).
 local r = redis.call('HMGET', KEYS[1], 'cost', 'tpm', 'day_key')
-if not r[1] then return -1 end
-redis.call('DEL', KEYS[1])
 local now = tonumber(ARGV[1])
-local refund = math.max(0, tonumber(r[1]) - tonumber(ARGV[2]))
-if refund == 0 then return 0 end
-local tpm = tonumber(r[2])
-if tpm > 0 then
-  local v = redis.call('HMGET', KEYS[2], 'level', 'ts')
-  local lvl = tonumber(v[1]) or tpm
-  local ts = tonumber(v[2]) or now
-  lvl = math.min(tpm, lvl + math.max(0, now - ts) * tpm / 60000.0 + refund)
-  redis.call('HSET', KEYS[2], 'level', tostring(lvl), 'ts', now)
-  redis.call('PEXPIRE', KEYS[2], 120000)
+local refund, charged = -1, 0
+if r[1] then
+  redis.call('DEL', KEYS[1])
+  refund = math.max(0, tonumber(r[1]) - tonumber(ARGV[2]))
+  charged = tonumber(r[1]) - refund
+  local tpm = tonumber(r[2])
+  if refund > 0 and tpm > 0 then
+    local v = redis.call('HMGET', KEYS[2], 'level', 'ts')
+    local lvl = tonumber(v[1]) or tpm
+    local ts = tonumber(v[2]) or now
+    lvl = math.min(tpm, lvl + math.max(0, now - ts) * tpm / 60000.0 + refund)
+    redis.call('HSET', KEYS[2], 'level', tostring(lvl), 'ts', now)
+    redis.call('PEXPIRE', KEYS[2], 120000)
+  end
+  if refund > 0 then
+    for _, day in ipairs({KEYS[3], KEYS[4]}) do
+      if r[3] == day and redis.call('EXISTS', day) == 1 then redis.call('DECRBY', day, refund) end
+    end
+  end
 end
-for _, day in ipairs({KEYS[3], KEYS[4]}) do
-  if r[3] == day and redis.call('EXISTS', day) == 1 then redis.call('DECRBY', day, refund) end
+if ARGV[3] ~= '' and (r[1] or ARGV[4] == '1') then
+  if redis.call('SET', KEYS[5], '1', 'NX', 'PX', tonumber(ARGV[5])) then
+    redis.call('XADD', KEYS[6], '*', 'e', ARGV[3], 'charged', charged)
+  end
 end
 return refund
 """
@@ -195,12 +209,28 @@ def settle_keys(names: Names, team: str, request_id: str, now: float) -> list[st
         names.quota_tokens(team),
         names.quota_day(team, utc_day(now)),
         names.quota_day(team, utc_day(now - 86400)),
+        names.usage_mark(team, request_id),
+        names.usage_outbox(team),
     ]
 
 
-async def settle(redis: aioredis.Redis, names: Names, team: str, request_id: str, used_tokens: int) -> int:
-    """Settle a request's reservation with the tokens it really used; returns the refund (-1: none held)."""
+async def settle(
+    redis: aioredis.Redis,
+    names: Names,
+    team: str,
+    request_id: str,
+    used_tokens: int,
+    usage: UsageEvent | None = None,
+    unreserved: bool = False,
+) -> int:
+    """Settle a request's reservation with the tokens it really used; returns the refund (-1: none held).
+
+    With `usage`, the request has ended: its usage event is written with the settlement, once per
+    request. `unreserved` writes it even when no reservation is held (a batch request answered before a
+    worker was found); without it, a settle that finds nothing (a second one) writes nothing."""
     now = time.time()
     keys = settle_keys(names, team, request_id, now)
-    refund = await redis.eval(SETTLE_SCRIPT, len(keys), *keys, int(now * 1000), used_tokens)
+    event = b"" if usage is None else usage.model_dump_json().encode()
+    args = (int(now * 1000), used_tokens, event, "1" if unreserved else "0", USAGE_MARK_TTL_MS)
+    refund = await redis.eval(SETTLE_SCRIPT, len(keys), *keys, *args)
     return int(refund)

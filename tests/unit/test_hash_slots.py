@@ -12,6 +12,7 @@ from redis.crc import key_slot
 from dispatcher.acts import PLACE_SCRIPT, place_keys
 from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
 from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
+from ingress.batch_keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
 from queue_schemas.messages import TokenChunk
 from queue_schemas.names import Names
 from queue_schemas.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
@@ -37,6 +38,8 @@ def script_keys(rid: str) -> dict[str, list[str]]:
         "RESERVE_SCRIPT": reserve_keys(NAMES, rid, "req-9", 1.7e9),
         "SETTLE_SCRIPT": settle_keys(NAMES, rid, "req-9", 1.7e9),
         "MEMBERS_SCRIPT": [NAMES.dispatchers(rid)],
+        "COLLECT_SCRIPT": collect_keys(NAMES, rid, "batch_0f"),
+        "TRANSITION_SCRIPT": transition_keys(NAMES, rid, "batch_0f"),
         "LEASE_SCRIPT": [
             NAMES.partition_lease(rid).format(topic=t, partition=p)
             for t in (NAMES.requests_topic(rid), NAMES.batch_topic(rid))
@@ -66,7 +69,10 @@ def test_every_script_in_the_code_is_checked_here() -> None:
 
 @pytest.mark.parametrize(
     "script",
-    [CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT],
+    [
+        CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT,
+        COLLECT_SCRIPT, TRANSITION_SCRIPT,
+    ],  # fmt: skip
 )
 def test_scripts_touch_only_declared_keys(script: str) -> None:
     """A key is never built or read from a value inside a script: each command's key is KEYS[i] or a

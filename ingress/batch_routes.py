@@ -1,0 +1,243 @@
+"""HTTP routes of OpenAI's Files and Batch APIs: `/v1/files` and `/v1/batches`.
+
+A team reaches only its own files and batches: every record is stored under the team that created it
+and looked up under the caller's team, so another team's id is a 404 like an unknown one. The work of a
+batch is done by the ingresses' batch keepers (ingress.batch_keeper); these handlers only record.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+from starlette.datastructures import UploadFile
+
+from ingress.batch_keeper import transition
+from ingress.routes import Context, Team, read_json_body
+from queue_schemas.api_errors import (
+    InvalidRequest,
+    LengthRequired,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from queue_schemas.batch_api import (
+    CANCELLABLE,
+    BatchCreate,
+    FileRecord,
+    Status,
+    as_text,
+    batch_object,
+    create_problem,
+    decode_fields,
+    list_object,
+    new_batch_fields,
+    new_batch_id,
+    new_file_id,
+    object_key,
+    page,
+    read_input,
+)
+from queue_schemas.clients import mget_any
+
+router = APIRouter()
+
+MULTIPART_SLACK = 64 * 1024  # form boundaries and the purpose field around the file
+
+
+def _not_found(kind: str, object_id: str) -> NotFound:
+    return NotFound(f"No such {kind}: '{object_id}'.", param="id", code="not_found")
+
+
+def _limit(request: Request, default: int, most: int) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise InvalidRequest(f"limit must be an integer from 1 to {most}.", param="limit")
+    return int(raw)
+
+
+async def _ids(ctx: Context, index: str, descending: bool) -> list[str]:
+    """The ids in one of the team's indexes, newest first when `descending`."""
+    try:
+        raw: list[bytes] = await ctx.redis.zrange(index, 0, -1, desc=descending)  # type: ignore[assignment]
+    except RedisError as exc:
+        raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+    return [as_text(i) for i in raw]
+
+
+async def _file(ctx: Context, team: str, file_id: str) -> FileRecord:
+    try:
+        raw = await ctx.redis.get(ctx.settings.names.file_record(team, file_id))
+    except RedisError as exc:
+        raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+    if raw is None:
+        raise _not_found("file", file_id)
+    return FileRecord.model_validate_json(raw)
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request, ctx: Context, team: Team) -> JSONResponse:
+    limit = ctx.settings.files_max_bytes
+    declared = request.headers.get("content-length")
+    if declared is None or not declared.isdigit():
+        raise LengthRequired("Uploads must declare their Content-Length.")
+    if int(declared) > limit + MULTIPART_SLACK:
+        raise PayloadTooLarge(f"The file exceeds the {limit}-byte limit.")
+    try:
+        form = await request.form(max_files=1, max_fields=2)
+    except Exception as exc:  # starlette raises its own parse errors for malformed forms
+        raise InvalidRequest(f"The upload is not a valid multipart form: {exc}") from None
+    purpose, upload = form.get("purpose"), form.get("file")
+    if purpose != "batch":
+        raise InvalidRequest(
+            "purpose must be 'batch': this server keeps files for batches only.", param="purpose"
+        )
+    if not isinstance(upload, UploadFile):
+        raise InvalidRequest("The form must carry the file in the field 'file'.", param="file")
+    data = await upload.read()
+    if len(data) > limit:
+        raise PayloadTooLarge(f"The file exceeds the {limit}-byte limit.")
+    lines = read_input(data)
+    if isinstance(lines, str):
+        raise InvalidRequest(
+            f"The file is not a valid batch input file. {lines}", param="file", code="invalid_file"
+        )
+    names = ctx.settings.names
+    file_id = new_file_id()
+    record = FileRecord(
+        id=file_id, team=team.team, purpose="batch", filename=(upload.filename or "input.jsonl")[:256],
+        bytes=len(data), created_at=int(time.time()), key=object_key(team.team, file_id), lines=len(lines),
+    )  # fmt: skip
+    await ctx.files.put(record.key, data)
+    try:
+        await ctx.redis.set(names.file_record(team.team, file_id), record.model_dump_json())
+        await ctx.redis.zadd(names.files(team.team), {file_id: time.time()})
+    except RedisError as exc:
+        raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+    return JSONResponse(record.public())
+
+
+@router.get("/v1/files")
+async def list_files(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
+    limit = _limit(request, 10_000, 10_000)
+    order = request.query_params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'.", param="order")
+    purpose = request.query_params.get("purpose")
+    names = ctx.settings.names
+    file_ids = await _ids(ctx, names.files(team.team), descending=order == "desc")
+    records = []
+    for raw in await mget_any(ctx.redis, [names.file_record(team.team, i) for i in file_ids]):
+        if raw is not None:
+            record = FileRecord.model_validate_json(raw)
+            if purpose is None or record.purpose == purpose:
+                records.append(record)
+    ids, has_more = page([r.id for r in records], request.query_params.get("after"), limit)
+    by_id = {r.id: r for r in records}
+    return list_object([by_id[i].public() for i in ids], has_more)
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(file_id: str, ctx: Context, team: Team) -> dict[str, Any]:
+    return (await _file(ctx, team.team, file_id)).public()
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str, ctx: Context, team: Team) -> Response:
+    record = await _file(ctx, team.team, file_id)
+    try:
+        data = await ctx.files.get(record.key)
+    except FileNotFoundError:
+        raise _not_found("file", file_id) from None
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, ctx: Context, team: Team) -> dict[str, Any]:
+    record = await _file(ctx, team.team, file_id)
+    names = ctx.settings.names
+    await ctx.redis.delete(names.file_record(team.team, file_id))
+    await ctx.redis.zrem(names.files(team.team), file_id)
+    await ctx.files.delete(record.key)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+async def _batch(ctx: Context, team: str, batch_id: str) -> dict[str, str]:
+    try:
+        fields = decode_fields(await ctx.redis.hgetall(ctx.settings.names.batch_record(team, batch_id)))
+    except RedisError as exc:
+        raise ServiceUnavailable("The batch index is unreachable; retry shortly.") from exc
+    if not fields:
+        raise _not_found("batch", batch_id)
+    return fields
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
+    raw, _ = await read_json_body(request, ctx.settings.max_body_bytes)
+    if not isinstance(raw, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        body = BatchCreate.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise InvalidRequest(f"Invalid value for {param}: {err['msg']}.", param=param) from None
+    problem = create_problem(body)
+    if problem is not None:
+        raise InvalidRequest(problem[0], param=problem[1])
+    source = await _file(ctx, team.team, body.input_file_id)
+    if source.purpose != "batch":
+        raise InvalidRequest(f"The file {source.id} was not uploaded for batch.", param="input_file_id")
+    names = ctx.settings.names
+    batch_id = new_batch_id()
+    now = time.time()
+    fields = new_batch_fields(batch_id, team.team, team.key.key_id, body, source.lines, now)
+    try:
+        await ctx.redis.hset(names.batch_record(team.team, batch_id), mapping=fields)  # type: ignore[arg-type]
+        await ctx.redis.zadd(names.batches(team.team), {batch_id: now})
+        await ctx.redis.sadd(names.active_batches(), f"{team.team}/{batch_id}")
+    except RedisError as exc:
+        raise ServiceUnavailable("The batch index is unreachable; retry shortly.") from exc
+    return batch_object(fields)
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
+    limit = _limit(request, 20, 100)
+    names = ctx.settings.names
+    ids = await _ids(ctx, names.batches(team.team), descending=True)
+    chosen, has_more = page(ids, request.query_params.get("after"), limit)
+    data = []
+    for batch_id in chosen:
+        fields = decode_fields(await ctx.redis.hgetall(names.batch_record(team.team, batch_id)))
+        if fields:
+            data.append(batch_object(fields))
+    return list_object(data, has_more)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(batch_id: str, ctx: Context, team: Team) -> dict[str, Any]:
+    return batch_object(await _batch(ctx, team.team, batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, ctx: Context, team: Team) -> dict[str, Any]:
+    fields = await _batch(ctx, team.team, batch_id)
+    names = ctx.settings.names
+    moved = await transition(
+        ctx.redis, names, team.team, batch_id, tuple(s.value for s in CANCELLABLE), Status.CANCELLING,
+        cancelling_at=str(int(time.time())),
+    )  # fmt: skip
+    fields = await _batch(ctx, team.team, batch_id)
+    if not moved and fields["status"] not in (Status.CANCELLING, Status.CANCELLED):
+        raise InvalidRequest(
+            f"Cannot cancel a batch with status '{fields['status']}'.", code="batch_not_cancellable"
+        )
+    return batch_object(fields)

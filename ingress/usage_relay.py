@@ -1,0 +1,123 @@
+"""Moves usage events from the teams' outbox streams in Redis to the `<prefix>.usage` topic.
+
+The settle script writes each request's event to its team's outbox once (queue_schemas.quota). Every
+ingress runs a relay; they share each outbox through one consumer group, so an entry goes to one relay,
+and an entry a dead relay had taken is claimed by another after `CLAIM_IDLE_MS`. An entry is
+acknowledged and deleted only after the broker has the record. A relay that dies between the two
+produces that entry again: the record is the same (same key, same content), and readers count a
+request id once (docs/usage.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError, ResponseError
+
+from queue_schemas.names import Names
+from queue_schemas.usage import UsageEvent
+
+log = structlog.get_logger("sluice.ingress.usage")
+
+RELAY_GROUP = "relay"
+CLAIM_IDLE_MS = 30_000
+DISCOVER_EVERY_S = 5.0
+READ_COUNT = 500
+
+
+def relayed_event(fields: dict[bytes, bytes]) -> UsageEvent:
+    """The record of an outbox entry: the event with what the settle script found was charged."""
+    event = UsageEvent.model_validate_json(fields[b"e"])
+    return event.model_copy(update={"charged_tokens": int(float(fields[b"charged"]))})
+
+
+class UsageRelay:
+    def __init__(
+        self, names: Names, redis: aioredis.Redis, producer: AIOKafkaProducer, interval_s: float
+    ) -> None:
+        self.names = names
+        self.redis = redis
+        self.producer = producer
+        self.interval_s = interval_s
+        self.consumer = "relay-" + secrets.token_hex(6)
+        self._streams: set[str] = set()
+        self._discovered_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="usage-relay")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                moved = await self.relay_once()
+            except (RedisError, KafkaError, OSError) as exc:
+                log.warning("relaying usage failed; retrying", error=str(exc))
+                moved = 0
+            if not moved:
+                await asyncio.sleep(self.interval_s)
+
+    async def relay_once(self) -> int:
+        """One pass over every outbox: returns how many entries went to the topic."""
+        if time.monotonic() - self._discovered_at > DISCOVER_EVERY_S:
+            await self._discover()
+        moved = 0
+        for stream in sorted(self._streams):
+            moved += await self._relay_stream(stream)
+        return moved
+
+    async def _discover(self) -> None:
+        pattern = self.names.usage_outbox("*")
+        found = {k.decode() if isinstance(k, bytes) else k async for k in self.redis.scan_iter(match=pattern)}
+        for stream in found - self._streams:
+            try:
+                await self.redis.xgroup_create(stream, RELAY_GROUP, id="0")
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._streams = found
+        self._discovered_at = time.monotonic()
+
+    async def _relay_stream(self, stream: str) -> int:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        claimed = await self.redis.xautoclaim(
+            stream, RELAY_GROUP, self.consumer, CLAIM_IDLE_MS, start_id="0-0", count=READ_COUNT
+        )
+        entries += claimed[1]
+        reply: Any = await self.redis.xreadgroup(RELAY_GROUP, self.consumer, {stream: ">"}, count=READ_COUNT)
+        for _, items in reply or []:
+            entries += items
+        if not entries:
+            return 0
+        sends = []
+        for _, fields in entries:
+            if not fields:  # deleted after it was read: nothing to send
+                continue
+            try:
+                event = relayed_event(fields)
+            except (ValueError, KeyError) as exc:
+                log.error("an outbox entry is not a usage event; dropped", stream=stream, error=str(exc))
+                continue
+            value = event.model_dump_json().encode()
+            sends.append(
+                await self.producer.send(self.names.usage_topic(), value, key=event.request_id.encode())
+            )
+        await asyncio.gather(*sends)
+        ids = [entry_id for entry_id, _ in entries]
+        await self.redis.xack(stream, RELAY_GROUP, *ids)
+        await self.redis.xdel(stream, *ids)
+        return len(entries)

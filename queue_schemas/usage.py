@@ -1,0 +1,183 @@
+"""Usage events: one record per ended request on `<prefix>.usage`, for chargeback and reconciliation.
+
+Whoever ends a request (the worker that served it, the dispatcher that dropped it) settles its quota
+reservation, and the settle script (queue_schemas.quota) writes the event to the team's outbox stream in
+the same step, with what the team was charged filled in by the script. A per-request mark makes that
+happen once, however many services try. The relay (ingress.usage_relay) produces outbox entries to
+Kafka and deletes them once the broker has them. docs/usage.md documents the record.
+
+Pure: building events and aggregating them. Reading and producing live in the services.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field
+
+from queue_schemas.messages import InferenceRequest, Message, Name, Usage
+
+# How long a request's "usage recorded" mark lives: longer than any request can run or be redelivered.
+USAGE_MARK_TTL_MS = 8 * 24 * 3600 * 1000
+
+
+class UsageStatus(StrEnum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class UsageEvent(Message):
+    """What one request used and was charged."""
+
+    request_id: str = Field(description="sluice's request id (the key of the Kafka record)")
+    team: Name
+    key_id: str | None = Field(
+        default=None, description="the API key id (HTTP) or signing key id (Kafka batch) that sent it"
+    )
+    pool: Name
+    model: str = Field(description="the model the client asked for (a LoRA adapter's name, if one)")
+    kind: Literal["interactive", "batch"]
+    status: UsageStatus
+    error_code: str | None = None
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0, description="of prompt_tokens, served from a prefix cache")
+    completion_tokens: int = Field(ge=0)
+    charged_tokens: int = Field(
+        default=0, ge=0, description="what the team's quota was charged for it (its daily counter)"
+    )
+    queue_s: float | None = Field(default=None, description="admission to the start on a worker")
+    ttft_s: float | None = Field(default=None, description="admission to the first output token")
+    total_s: float = Field(ge=0, description="admission to the end")
+    created_at: float = Field(description="epoch seconds of admission")
+    ended_at: float
+    batch_request_id: str | None = Field(default=None, description="the submitter's id of a batch line")
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Epoch seconds of a request's milestones, as the service that ends it saw them."""
+
+    began: float | None = None  # taken off the worker's inbox
+    first_token: float | None = None
+
+
+def usage_event(
+    request: InferenceRequest,
+    status: UsageStatus,
+    usage: Usage | None,
+    now: float,
+    timing: Timing = Timing(),
+    error_code: str | None = None,
+) -> UsageEvent:
+    """The event of a request that ends now. A request that moved off a lost worker has no TTFT of its
+    own here (its first tokens came from the worker before)."""
+    created = request.created_at
+    ttft = None
+    if timing.first_token is not None and request.resume is None:
+        ttft = max(0.0, timing.first_token - created)
+    return UsageEvent(
+        request_id=request.request_id,
+        team=request.team,
+        key_id=request.key_id,
+        pool=request.pool,
+        model=request.adapter or request.model,
+        kind="batch" if request.batch is not None else "interactive",
+        status=status,
+        error_code=error_code,
+        prompt_tokens=0 if usage is None else usage.prompt_tokens,
+        cached_tokens=0 if usage is None else usage.cached_tokens,
+        completion_tokens=0 if usage is None else usage.completion_tokens,
+        queue_s=None if timing.began is None else max(0.0, timing.began - created),
+        ttft_s=ttft,
+        total_s=max(0.0, now - created),
+        created_at=created,
+        ended_at=now,
+        batch_request_id=None if request.batch is None else request.batch.request_id,
+    )
+
+
+# Aggregation for `sluice usage`
+
+
+@dataclass
+class UsageRow:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    charged_tokens: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+
+    def add(self, event: UsageEvent) -> None:
+        self.requests += 1
+        self.prompt_tokens += event.prompt_tokens
+        self.cached_tokens += event.cached_tokens
+        self.completion_tokens += event.completion_tokens
+        self.charged_tokens += event.charged_tokens
+        self.statuses[event.status.value] = self.statuses.get(event.status.value, 0) + 1
+
+
+def usage_day(event: UsageEvent) -> str:
+    return dt.datetime.fromtimestamp(event.ended_at, dt.UTC).strftime("%Y-%m-%d")
+
+
+def aggregate(
+    events: Iterable[UsageEvent], team: str, since: float, by: Literal["day", "model", "total"]
+) -> dict[str, UsageRow]:
+    """The team's usage of requests ended at or after `since`, per day, per model or in total. An event
+    seen twice (the relay re-produces an entry when it dies between the broker's ack and its own) counts
+    once: request ids are unique."""
+    rows: dict[str, UsageRow] = {}
+    seen: set[str] = set()
+    for event in events:
+        if event.team != team or event.ended_at < since or event.request_id in seen:
+            continue
+        seen.add(event.request_id)
+        key = usage_day(event) if by == "day" else event.model if by == "model" else "total"
+        rows.setdefault(key, UsageRow()).add(event)
+    return dict(sorted(rows.items()))
+
+
+def usage_table(rows: dict[str, UsageRow], by: str) -> str:
+    """The rows as an aligned text table with a total line."""
+    header = (by, "requests", "prompt", "cached", "completion", "charged", "statuses")
+    total = UsageRow()
+    lines: list[tuple[str, ...]] = []
+    for key, row in rows.items():
+        lines.append(_cells(key, row))
+        total.requests += row.requests
+        total.prompt_tokens += row.prompt_tokens
+        total.cached_tokens += row.cached_tokens
+        total.completion_tokens += row.completion_tokens
+        total.charged_tokens += row.charged_tokens
+        for status, n in row.statuses.items():
+            total.statuses[status] = total.statuses.get(status, 0) + n
+    if by != "total":
+        lines.append(_cells("total", total))
+    table = [header, *lines]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i in (0, 6) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in table
+    )
+
+
+def _cells(key: str, row: UsageRow) -> tuple[str, ...]:
+    statuses = " ".join(f"{k}={v}" for k, v in sorted(row.statuses.items()))
+    return (
+        key,
+        f"{row.requests:,}",
+        f"{row.prompt_tokens:,}",
+        f"{row.cached_tokens:,}",
+        f"{row.completion_tokens:,}",
+        f"{row.charged_tokens:,}",
+        statuses,
+    )
