@@ -212,7 +212,7 @@ def test_bad_input_gets_openai_shaped_errors(endpoints: Endpoints) -> None:
         client.batches.create(
             input_file_id=upload.id,
             endpoint="/v1/embeddings",
-            completion_window="24h",  # type: ignore[arg-type]
+            completion_window="24h",
         )
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(
