@@ -139,6 +139,8 @@ class BatchDesk:
             request = batch_request(sub, envelope.reply_topic, self.pool, parsed, ids, time.time())
             signature = read_signature(record.headers)
             key_id = None if isinstance(signature, str) else signature[0]
+            if signer is Signer.SERVICE:
+                key_id = sub.key_id  # the API key the ingress authenticated
             return request.model_copy(update={"key_id": key_id})
         except ApiError as err:
             return self._refusal(envelope, record, err)

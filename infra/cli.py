@@ -187,6 +187,37 @@ def lag_command(
         raise typer.Exit(130) from None
 
 
+@app.command("usage")
+def usage_command(
+    team: Annotated[str, typer.Option(help="the team whose usage to sum")],
+    since: Annotated[str, typer.Option(help="a date (2026-11-30), an ISO time, or a span back (7d, 12h)")],
+    by: Annotated[str, typer.Option(help="rows per `day`, per `model`, or one `total`")] = "day",
+) -> None:
+    """Requests, tokens and what was charged, from the usage topic (one record per ended request)."""
+    import datetime as dt
+
+    from infra.usage_cli import parse_since, read_usage
+    from queue_schemas.settings import BusSettings
+    from queue_schemas.usage import aggregate, usage_table
+
+    if by not in ("day", "model", "total"):
+        console.print("[red]--by must be day, model or total[/red]")
+        raise typer.Exit(2)
+    try:
+        start = parse_since(since, dt.datetime.now(dt.UTC))
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    events = asyncio.run(read_usage(BusSettings()))
+    rows = aggregate(events, team, start, by)  # type: ignore[arg-type]
+    if not rows:
+        typer.echo(
+            f"no usage for team {team!r} since {dt.datetime.fromtimestamp(start, dt.UTC):%Y-%m-%d %H:%M} UTC"
+        )
+        return
+    typer.echo(usage_table(rows, by))
+
+
 @app.command("plan")
 def plan_command(
     model: Annotated[str, typer.Option(help="model preset: llama-70b, qwen-32b, llama-8b")] = "llama-70b",

@@ -65,7 +65,9 @@ def create_app(settings: IngressSettings) -> FastAPI:
             consumer_options(settings, names.batch_api_collector_group()), settings.batch_keeper_interval_s,
         )  # fmt: skip
         await keeper.start()
-        relay = UsageRelay(names, redis, producer, settings.batch_keeper_interval_s)
+        relay = UsageRelay(
+            names, redis, producer, settings.batch_keeper_interval_s, settings.usage_claim_idle_s
+        )
         relay.start()
         app.state.ctx = IngressContext(
             settings,

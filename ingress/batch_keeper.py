@@ -285,7 +285,7 @@ class BatchKeeper:
             submission = BatchSubmission(
                 request_id=line_request_id(team, batch_id, number), custom_id=line.custom_id, team=team,
                 reply_topic=self.names.batch_api_answers_topic(), url=line.url,  # type: ignore[arg-type]
-                body=line.body, completion_window_s=window, submitted_at=now,
+                body=line.body, completion_window_s=window, submitted_at=now, key_id=fields.get("key_id"),
             )  # fmt: skip
             value = submission.model_dump_json(exclude_none=True).encode()
             sends.append(

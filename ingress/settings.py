@@ -25,3 +25,8 @@ class IngressSettings(BusSettings):
     batch_keeper_interval_s: float = Field(
         default=0.5, gt=0, description="how often the batch keeper and the usage relay look for work"
     )
+    usage_claim_idle_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="how long a usage entry taken by a relay may stay unsent before another relay takes it",
+    )

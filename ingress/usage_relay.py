@@ -2,7 +2,7 @@
 
 The settle script writes each request's event to its team's outbox once (queue_schemas.quota). Every
 ingress runs a relay; they share each outbox through one consumer group, so an entry goes to one relay,
-and an entry a dead relay had taken is claimed by another after `CLAIM_IDLE_MS`. An entry is
+and an entry a dead relay had taken is claimed by another after `claim_idle_s`. An entry is
 acknowledged and deleted only after the broker has the record. A relay that dies between the two
 produces that entry again: the record is the same (same key, same content), and readers count a
 request id once (docs/usage.md).
@@ -28,7 +28,7 @@ from queue_schemas.usage import UsageEvent
 log = structlog.get_logger("sluice.ingress.usage")
 
 RELAY_GROUP = "relay"
-CLAIM_IDLE_MS = 30_000
+CLAIM_IDLE_S = 30.0
 DISCOVER_EVERY_S = 5.0
 READ_COUNT = 500
 
@@ -41,9 +41,15 @@ def relayed_event(fields: dict[bytes, bytes]) -> UsageEvent:
 
 class UsageRelay:
     def __init__(
-        self, names: Names, redis: aioredis.Redis, producer: AIOKafkaProducer, interval_s: float
+        self,
+        names: Names,
+        redis: aioredis.Redis,
+        producer: AIOKafkaProducer,
+        interval_s: float,
+        claim_idle_s: float = CLAIM_IDLE_S,
     ) -> None:
         self.names = names
+        self.claim_idle_ms = int(claim_idle_s * 1000)
         self.redis = redis
         self.producer = producer
         self.interval_s = interval_s
@@ -95,7 +101,7 @@ class UsageRelay:
     async def _relay_stream(self, stream: str) -> int:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
         claimed = await self.redis.xautoclaim(
-            stream, RELAY_GROUP, self.consumer, CLAIM_IDLE_MS, start_id="0-0", count=READ_COUNT
+            stream, RELAY_GROUP, self.consumer, self.claim_idle_ms, start_id="0-0", count=READ_COUNT
         )
         entries += claimed[1]
         reply: Any = await self.redis.xreadgroup(RELAY_GROUP, self.consumer, {stream: ">"}, count=READ_COUNT)

@@ -55,6 +55,12 @@ class BatchSubmission(Message):
         default=None, gt=0, le=7 * 24 * 3600, description="how long it may wait for a worker"
     )
     submitted_at: float | None = None
+    key_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="the API key that created the batch, for usage records; read only from lines that "
+        "sluice's /v1/batches signed (a team's own lines are recorded under their signing key)",
+    )
 
 
 class AnswerResponse(BaseModel):

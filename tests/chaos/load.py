@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -33,6 +34,8 @@ class Outcome:
     kind: str
     detail: str = ""
     ttft: float | None = None  # seconds from sending to the first content
+    request_id: str = ""  # sluice's, from the chunks' id (empty when refused)
+    completion_tokens: int | None = None  # from the usage chunk of a complete answer
 
 
 def classify(lines: list[str], expected: str | None = None) -> tuple[str, str]:
@@ -87,6 +90,17 @@ def _ending(lines: list[str]) -> tuple[str, str]:
     return "ok", ""
 
 
+def _note(seen: dict[str, Any], data: str) -> None:
+    """The request id (from the chunk id) and the usage of a stream, as its events arrive."""
+    if data == "[DONE]":
+        return
+    body = json.loads(data)
+    if "id" in body and "id" not in seen:
+        seen["id"] = str(body["id"]).removeprefix("chatcmpl-")
+    if body.get("usage"):
+        seen["completion"] = body["usage"]["completion_tokens"]
+
+
 class Load:
     def __init__(
         self,
@@ -136,18 +150,28 @@ class Load:
         while not self._stop.is_set():
             started = time.time()
             first: list[float] = []
+            seen: dict[str, Any] = {}
             try:
-                kind, detail = await asyncio.wait_for(self._one(client, f"{k}-{n}", first), REQUEST_LIMIT_S)
+                kind, detail = await asyncio.wait_for(
+                    self._one(client, f"{k}-{n}", first, seen), REQUEST_LIMIT_S
+                )
             except TimeoutError:
                 kind, detail = "hung", f"no terminal event within {REQUEST_LIMIT_S:.0f} s"
             ttft = first[0] - started if first else None
             with self._lock:
-                self._outcomes.append(Outcome(started, time.time(), kind, detail, ttft))
+                self._outcomes.append(
+                    Outcome(
+                        started, time.time(), kind, detail, ttft, seen.get("id", ""), seen.get("completion")
+                    )
+                )
             if kind in ("refused", "unavailable"):
                 await asyncio.sleep(0.2)  # a client backing off while the service is down
             n += 1
 
-    async def _one(self, client: httpx.AsyncClient, tag: str, first: list[float]) -> tuple[str, str]:
+    async def _one(
+        self, client: httpx.AsyncClient, tag: str, first: list[float], seen: dict[str, Any]
+    ) -> tuple[str, str]:
+        """One streamed request's ending; `seen` gets its request id and completion tokens."""
         content = f"chaos request {tag}"
         body = {
             "model": self._model,
@@ -165,6 +189,7 @@ class Load:
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             lines.append(line.removeprefix("data: "))
+                            _note(seen, lines[-1])
                             if not first and '"content":"' in line and '"content":""' not in line:
                                 first.append(time.time())
                 except (httpx.RemoteProtocolError, httpx.ReadError) as exc:

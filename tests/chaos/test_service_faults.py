@@ -17,6 +17,7 @@ the TTFT of requests that arrived during the fault.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import secrets
@@ -36,6 +37,7 @@ from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
 from infra.keys import set_reply_prefixes
 from infra.launcher import ManagedProcess, child_pids, free_port, start_object_store
+from infra.usage_cli import read_usage
 from queue_schemas.clients import redis_client
 from queue_schemas.codec import decode, encode
 from queue_schemas.messages import Heartbeat
@@ -81,7 +83,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevStack, 
     workdir = tmp_path_factory.mktemp("chaos")
     config = workdir / "pools.toml"
     config.write_text(POOLS)
-    dev = DevStack(workdir, config_path=config, redis_persist=True)
+    # A relay's entries are taken over 5 s after it is killed (30 s by default), so usage is checked soon.
+    dev = DevStack(
+        workdir, config_path=config, redis_persist=True, extra_env={"SLUICE_USAGE_CLAIM_IDLE_S": "5"}
+    )
     try:
         yield dev, dev.start()
     finally:
@@ -345,6 +350,37 @@ def test_no_accepted_request_fails_through_worker_dispatcher_scaler_and_redis_fa
         o for o in ended_before if o.kind not in ("ok", "refused")
     ][:5]
     assert sum(1 for o in outcomes if o.kind == "ok") > 100, "the load kept flowing between the faults"
+    assert_one_usage_record_each(endpoints, outcomes, struck["ingress"])
+
+
+def assert_one_usage_record_each(
+    endpoints: Endpoints, outcomes: list[Outcome], ingress_killed: float
+) -> None:
+    """Every complete answer has its usage record with the usage its client saw, and one only: through
+    the worker kill (the request moved) and the other faults. The relay runs in the ingress; killed,
+    it may produce the entries it was sending again (docs/usage.md), so the ingress's own fault is left
+    out of the count."""
+    ok = [o for o in outcomes if o.kind == "ok"]
+    settings = BusSettings(kafka_bootstrap=endpoints.kafka_bootstrap, redis_url=endpoints.redis_url)
+    deadline = time.monotonic() + RECOVERY_LIMIT_S
+    while True:
+        events = asyncio.run(read_usage(settings))
+        by_id = {e.request_id: e for e in events}
+        missing = [o.request_id for o in ok if o.request_id not in by_id]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"{len(missing)} complete answers without a usage record"
+        time.sleep(1.0)
+    counts = collections.Counter(e.request_id for e in events)
+    assert [o.request_id for o in ok if o.ended < ingress_killed - 5 and counts[o.request_id] != 1] == []
+    for o in ok:
+        event = by_id[o.request_id]
+        assert (event.team, event.status, event.completion_tokens) == (
+            "dev",
+            "completed",
+            o.completion_tokens,
+        )
+        assert event.charged_tokens == event.prompt_tokens + event.completion_tokens
 
 
 def test_every_accepted_request_ends_once_through_a_broker_restart(
