@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
 
 from ingress.batch_keeper import transition
-from ingress.routes import Context, Team, read_json_body
+from ingress.routes import Context, Team, body_schema, read_json_body
 from queue_schemas.api_errors import (
     InvalidRequest,
     LengthRequired,
@@ -81,7 +81,36 @@ async def _file(ctx: Context, team: str, file_id: str) -> FileRecord:
     return FileRecord.model_validate_json(raw)
 
 
-@router.post("/v1/files")
+UPLOAD_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def query_schema(*params: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    """Query parameters documented for the OpenAPI schema; the handlers read and check them themselves."""
+    return {
+        "parameters": [{"name": name, "in": "query", "required": False, "schema": s} for name, s in params]
+    }
+
+
+AFTER = ("after", {"type": "string"})
+
+
+@router.post("/v1/files", openapi_extra=UPLOAD_SCHEMA)
 async def upload_file(request: Request, ctx: Context, team: Team) -> JSONResponse:
     limit = ctx.settings.files_max_bytes
     declared = request.headers.get("content-length")
@@ -123,7 +152,15 @@ async def upload_file(request: Request, ctx: Context, team: Team) -> JSONRespons
     return JSONResponse(record.public())
 
 
-@router.get("/v1/files")
+@router.get(
+    "/v1/files",
+    openapi_extra=query_schema(
+        AFTER,
+        ("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}),
+        ("order", {"type": "string", "enum": ["asc", "desc"]}),
+        ("purpose", {"type": "string"}),
+    ),
+)
 async def list_files(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
     limit = _limit(request, 10_000, 10_000)
     order = request.query_params.get("order", "desc")
@@ -178,7 +215,7 @@ async def _batch(ctx: Context, team: str, batch_id: str) -> dict[str, str]:
     return fields
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", openapi_extra=body_schema(BatchCreate))
 async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
     raw, _ = await read_json_body(request, ctx.settings.max_body_bytes)
     if not isinstance(raw, dict):
@@ -208,7 +245,10 @@ async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, 
     return batch_object(fields)
 
 
-@router.get("/v1/batches")
+@router.get(
+    "/v1/batches",
+    openapi_extra=query_schema(AFTER, ("limit", {"type": "integer", "minimum": 1, "maximum": 100})),
+)
 async def list_batches(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
     limit = _limit(request, 20, 100)
     names = ctx.settings.names
