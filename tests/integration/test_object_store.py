@@ -1,0 +1,59 @@
+"""The file store of /v1/files: a local folder and S3 (moto's server on loopback), the same contract."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from infra.launcher import free_port, start_object_store
+from queue_schemas.object_store import LocalStore, ObjectStore, object_store
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def s3_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Any]]:
+    port = free_port()
+    server = start_object_store(port, tmp_path_factory.mktemp("moto"))
+
+    def make() -> Any:
+        return boto3.client(
+            "s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+            aws_access_key_id="test", aws_secret_access_key="test",
+        )  # fmt: skip
+
+    make().create_bucket(Bucket="files")
+    try:
+        yield make
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path, s3_factory: Callable[[], Any]) -> ObjectStore:
+    if request.param == "local":
+        return object_store(str(tmp_path / "files"))
+    return object_store("s3://files/sluice", s3_factory)
+
+
+async def test_put_get_delete(store: ObjectStore) -> None:
+    await store.put("files/acme/file-1", b'{"a": 1}\n')
+    await store.put("files/acme/file-1", b'{"a": 2}\n')  # a second put replaces the object whole
+    assert await store.get("files/acme/file-1") == b'{"a": 2}\n'
+    await store.delete("files/acme/file-1")
+    with pytest.raises(FileNotFoundError):
+        await store.get("files/acme/file-1")
+    await store.delete("files/acme/file-1")  # deleting what is gone is not an error
+    with pytest.raises(FileNotFoundError):
+        await store.get("files/beta/never")
+
+
+async def test_a_local_key_cannot_leave_the_folder(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "files")
+    with pytest.raises(ValueError, match="leaves the store"):
+        await store.put("../outside", b"x")
+    assert not (tmp_path / "outside").exists()
