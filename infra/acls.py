@@ -4,6 +4,7 @@ One SASL principal per service (`User:<prefix>-ingress`, `-dispatcher`, `-worker
 and one per batch-submitting team (`User:team-<team>`). Only the ingress writes the internal request
 topics, which carry requests already authenticated and charged; dispatchers read them. Teams write the
 batch topics (their records are signed, which the broker cannot check) and read only their own results.
+The usage topic is written by the ingress (its relay) and read by whoever bills: grant them Read.
 Printed as `kafka-acls.sh` commands by `sluice topics acls`; `infra/deploy/kafka-acls.sh` is that output
 for the production prefix. Pure.
 """
@@ -40,6 +41,13 @@ def service_grants(names: Names) -> list[Grant]:
         Grant(user["dispatcher"], write, "topic", results, prefixed=True),  # refusals and timeouts
         Grant(user["worker"], write, "topic", results, prefixed=True),  # completed batch answers
         Grant(user["worker"], write, "topic", names.deadletter_topic()),
+        # /v1/batches: the ingress sends the lines, reads their answers, and relays usage records.
+        Grant(user["ingress"], write, "topic", batch, prefixed=True),
+        Grant(user["ingress"], read, "topic", names.batch_api_answers_topic()),
+        Grant(user["ingress"], ("Read",), "group", names.batch_api_collector_group()),
+        Grant(user["ingress"], write, "topic", names.usage_topic()),
+        Grant(user["dispatcher"], write, "topic", names.batch_api_answers_topic()),
+        Grant(user["worker"], write, "topic", names.batch_api_answers_topic()),
         Grant(user["scaler"], ("Describe",), "topic", f"{p}.", prefixed=True),
         Grant(user["scaler"], ("Describe",), "group", f"{p}.dispatcher.", prefixed=True),
     ]

@@ -11,5 +11,11 @@ kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" -
 kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-dispatcher --operation Write --operation Describe --topic sluice.results. --resource-pattern-type prefixed
 kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-worker --operation Write --operation Describe --topic sluice.results. --resource-pattern-type prefixed
 kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-worker --operation Write --operation Describe --topic sluice.deadletter
+kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-ingress --operation Write --operation Describe --topic sluice.batch. --resource-pattern-type prefixed
+kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-ingress --operation Read --operation Describe --topic sluice.batchapi.answers
+kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-ingress --operation Read --group sluice.batchapi.collector
+kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-ingress --operation Write --operation Describe --topic sluice.usage
+kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-dispatcher --operation Write --operation Describe --topic sluice.batchapi.answers
+kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-worker --operation Write --operation Describe --topic sluice.batchapi.answers
 kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-scaler --operation Describe --topic sluice. --resource-pattern-type prefixed
 kafka-acls.sh --bootstrap-server "$BOOTSTRAP" --command-config "$ADMIN_CONFIG" --add --allow-principal User:sluice-scaler --operation Describe --group sluice.dispatcher. --resource-pattern-type prefixed

@@ -297,6 +297,14 @@ def test_broker_acls_are_shipped_and_only_the_ingress_writes_requests() -> None:
     requests = names.requests_topic("")
     writers = {g.principal for g in grants if "Write" in g.operations and requests.startswith(g.name)}
     assert writers == {"User:sluice-ingress"}
+    # Only services write the answers of /v1/batches (a team writing there could answer another team's
+    # lines) and the usage topic.
+    for topic, services in (
+        (names.batch_api_answers_topic(), {"User:sluice-dispatcher", "User:sluice-worker"}),
+        (names.usage_topic(), {"User:sluice-ingress"}),
+    ):
+        writes = {g.principal for g in grants if "Write" in g.operations and topic.startswith(g.name)}
+        assert writes == services, topic
     team = [g for g in grants if g.principal == "User:team-acme"]
     assert {g.name for g in team if "Write" in g.operations} == {names.batch_topic("")}
     assert {g.name for g in team if g.resource == "topic" and "Read" in g.operations} == {
