@@ -49,6 +49,7 @@ from queue_schemas.batch_api import (
 from queue_schemas.codec import decode, encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.errors import SchemaError
+from queue_schemas.keys import TeamKey
 from queue_schemas.messages import CancelNotice
 from queue_schemas.names import Names
 from queue_schemas.object_store import ObjectStore
@@ -141,7 +142,6 @@ class BatchKeeper:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        await self._register_key()
         self._tasks = [
             asyncio.create_task(self._forever(self._keep_round, "keeping batches"), name="batch-keeper"),
             asyncio.create_task(self._collect(), name="batch-collector"),
@@ -159,12 +159,12 @@ class BatchKeeper:
         await self.redis.set(self.names.service_signing_key(self.key_id), self._public, ex=SERVICE_KEY_TTL_S)
 
     async def _forever(self, round_: Any, what: str) -> None:
-        last_key = time.monotonic()
+        registered: float | None = None  # the key is registered before the first line is signed
         while True:
             try:
-                if time.monotonic() - last_key > 3600:
+                if registered is None or time.monotonic() - registered > 3600:
                     await self._register_key()
-                    last_key = time.monotonic()
+                    registered = time.monotonic()
                 await round_()
             except (RedisError, KafkaError, OSError) as exc:
                 log.warning(f"{what} failed; retrying", error=str(exc))
@@ -267,6 +267,7 @@ class BatchKeeper:
         if isinstance(lines, str):  # the file went away after validation: what is left cannot run
             await self._answer_rest(team, batch_id, fields, "input_file_missing", lines)
             return
+        key = TeamKey.model_validate_json(fields["key"])
         cursor = int(fields["cursor"])
         end = min(len(lines), cursor + SUBMIT_CHUNK)
         now = time.time()
@@ -274,9 +275,11 @@ class BatchKeeper:
         sends = []
         for number in range(cursor, end):
             line = lines[number]
-            pool = self.pools.pool_for_model(str(line.body["model"]))
-            if pool is None:
-                message = f"The model '{line.body['model']}' does not exist or you do not have access to it."
+            model = str(line.body["model"])
+            pool = self.pools.pool_for_model(model)
+            adapter = model if pool is not None and model != pool.model else None
+            if pool is None or not key.allows_model(pool.name, adapter):  # as the HTTP routes answer
+                message = f"The model '{model}' does not exist or you do not have access to it."
                 error = {"message": message, "type": "invalid_request_error", "param": "model"}
                 error["code"] = "model_not_found"
                 out = local_http_line(team, batch_id, number, line.custom_id, 404, {"error": error})

@@ -235,7 +235,7 @@ async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, 
     names = ctx.settings.names
     batch_id = new_batch_id()
     now = time.time()
-    fields = new_batch_fields(batch_id, team.team, team.key.key_id, body, source.lines, now)
+    fields = new_batch_fields(batch_id, team.key, body, source.lines, now)
     try:
         await ctx.redis.hset(names.batch_record(team.team, batch_id), mapping=fields)  # type: ignore[arg-type]
         await ctx.redis.zadd(names.batches(team.team), {batch_id: now})

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from queue_schemas.batch import ENDPOINTS, failure_answer, http_answer
+from queue_schemas.keys import TeamKey
 
 # OpenAI's limits on a batch input file.
 MAX_FILE_BYTES = 200 * 1024 * 1024
@@ -204,14 +205,16 @@ def create_problem(body: BatchCreate) -> tuple[str, str] | None:
 
 
 def new_batch_fields(
-    batch_id: str, team: str, key_id: str, body: BatchCreate, input_lines: int, now: float
+    batch_id: str, key: TeamKey, body: BatchCreate, input_lines: int, now: float
 ) -> dict[str, str]:
-    """The hash of a batch just created."""
+    """The hash of a batch just created. The key that created it is kept whole: its lines may use only
+    the pools and adapters it may."""
     window = COMPLETION_WINDOWS[body.completion_window]
     return {
         "id": batch_id,
-        "team": team,
-        "key_id": key_id,
+        "team": key.team,
+        "key_id": key.key_id,
+        "key": key.model_dump_json(),
         "endpoint": body.endpoint,
         "input_file_id": body.input_file_id,
         "completion_window": body.completion_window,

@@ -3,6 +3,7 @@ the keeper and collector (in the ingress) killed mid-batch; and the 4xx answers 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import io
 import json
@@ -13,10 +14,13 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import redis.asyncio as aioredis
 from openai.types import Batch
 
 from gpu_workers.simulated import answer_to
 from infra.devstack import DevStack, Endpoints
+from infra.keys import create_key
+from queue_schemas.names import Names
 from queue_schemas.openai_types import ChatMessage
 from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import openai_client, team_key
@@ -253,3 +257,23 @@ def test_bad_input_gets_openai_shaped_errors(endpoints: Endpoints) -> None:
     assert deleted.id == upload.id
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(upload.id)
+
+
+def test_a_batch_uses_only_the_pools_its_key_may(endpoints: Endpoints) -> None:
+    async def restricted_key() -> str:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            return await create_key(redis, Names(), "batch-pools", pools=("slow",))
+        finally:
+            await redis.aclose()
+
+    client = openai_client(endpoints, asyncio.run(restricted_key()))
+    lines = [chat_line("allowed", "Fine", model="sluice-slow"), chat_line("other-pool", "Not mine")]
+    batch = run_batch(client, lines)
+    done = wait_for(client, batch.id, lambda b: b.status in FINAL, timeout_s=60)
+    assert done.status == "completed"
+    assert [line["custom_id"] for line in read_file(client, done.output_file_id)] == ["allowed"]
+    (refused,) = read_file(client, done.error_file_id)
+    assert refused["custom_id"] == "other-pool"
+    assert refused["response"]["status_code"] == 404
+    assert refused["response"]["body"]["error"]["code"] == "model_not_found"

@@ -18,6 +18,8 @@ async def test_topics_are_created_once_and_kept_on_a_second_run(bus: Bus) -> Non
         *(names.batch_topic(p.name) for p in settings.load_pools().pools),
         names.results_topic("acme"),
         names.deadletter_topic(),
+        names.usage_topic(),
+        names.batch_api_answers_topic(),
     ]
     first = await create_topics(settings, replication=1, teams=["acme"])
     assert [name for name, _ in first] == expected

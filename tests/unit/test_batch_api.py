@@ -27,6 +27,7 @@ from queue_schemas.batch_api import (
     result_file_id,
     split_results,
 )
+from queue_schemas.keys import TeamKey
 
 
 def line(custom_id: str, **over: object) -> str:
@@ -103,7 +104,8 @@ def test_create_checks_endpoint_window_and_metadata() -> None:
 
 
 def fields(status: Status, **over: str) -> dict[str, str]:
-    base = new_batch_fields("batch_1", "acme", "sk-1", create(metadata={"a": "b"}), 10, 1000.0)
+    key = TeamKey(team="acme", key_id="sk-1", created_at=0.0)
+    base = new_batch_fields("batch_1", key, create(metadata={"a": "b"}), 10, 1000.0)
     base.update(status=status.value, **over)
     return base
 
