@@ -62,6 +62,7 @@ SUBMIT_CHUNK = 500  # lines sent per round per batch, then the cursor is saved
 SERVICE_KEY_TTL_S = 8 * 24 * 3600  # longer than any line waits in a batch topic
 RESULT_LINES_TTL_S = 24 * 3600  # the collected lines, kept a day after the files are written
 CANCEL_MARK_TTL_MS = 10 * 60 * 1000
+COLLECT_FETCH_WAIT_MS = 500
 
 COLLECT_SCRIPT = """
 -- KEYS: the batch's hash, its lines hash (one slot: the team's).
@@ -133,7 +134,11 @@ class BatchKeeper:
         self.redis = redis
         self.producer = producer
         self.store = store
-        self._kafka_options = kafka_options
+        # Answers may wait half a second: a long poll keeps an idle collector cheap for the broker.
+        self._kafka_options = {
+            **kafka_options,
+            "fetch_max_wait_ms": max(int(kafka_options.get("fetch_max_wait_ms", 0)), COLLECT_FETCH_WAIT_MS),
+        }
         self.interval_s = interval_s
         self.holder = secrets.token_hex(8)
         pem, self._public, self.key_id = new_signing_key()

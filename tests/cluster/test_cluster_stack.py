@@ -31,7 +31,7 @@ from queue_schemas.quota import TeamLimits, utc_day
 from tests.cluster.conftest import with_cluster
 from tests.e2e.test_streaming_contract import chat_prompt_ids, sim_reply
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)  # above the dev stack's own start limit, which reports the logs
 
 Stack = tuple[DevStack, Endpoints]
 
