@@ -29,7 +29,7 @@ log = structlog.get_logger("sluice.ingress.usage")
 
 RELAY_GROUP = "relay"
 CLAIM_IDLE_S = 30.0
-DISCOVER_EVERY_S = 5.0
+DISCOVER_EVERY_S = 5.0  # a team's first events wait at most this long
 READ_COUNT = 500
 
 
@@ -56,6 +56,7 @@ class UsageRelay:
         self.consumer = "relay-" + secrets.token_hex(6)
         self._streams: set[str] = set()
         self._discovered_at = 0.0
+        self._claimed_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -79,31 +80,37 @@ class UsageRelay:
 
     async def relay_once(self) -> int:
         """One pass over every outbox: returns how many entries went to the topic."""
-        if time.monotonic() - self._discovered_at > DISCOVER_EVERY_S:
+        now = time.monotonic()
+        if now - self._discovered_at > DISCOVER_EVERY_S:
             await self._discover()
+        claim = now - self._claimed_at > self.claim_idle_ms / 2000
+        if claim:
+            self._claimed_at = now
         moved = 0
         for stream in sorted(self._streams):
-            moved += await self._relay_stream(stream)
+            moved += await self._relay_stream(stream, claim)
         return moved
 
     async def _discover(self) -> None:
-        pattern = self.names.usage_outbox("*")
-        found = {k.decode() if isinstance(k, bytes) else k async for k in self.redis.scan_iter(match=pattern)}
+        """The outboxes of the teams registered in the set (queue_schemas.quota.register_outbox)."""
+        teams = await self.redis.smembers(self.names.usage_teams())
+        found = {self.names.usage_outbox(t.decode() if isinstance(t, bytes) else t) for t in teams}
         for stream in found - self._streams:
             try:
-                await self.redis.xgroup_create(stream, RELAY_GROUP, id="0")
+                await self.redis.xgroup_create(stream, RELAY_GROUP, id="0", mkstream=True)
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
         self._streams = found
         self._discovered_at = time.monotonic()
 
-    async def _relay_stream(self, stream: str) -> int:
+    async def _relay_stream(self, stream: str, claim: bool) -> int:
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
-        claimed = await self.redis.xautoclaim(
-            stream, RELAY_GROUP, self.consumer, self.claim_idle_ms, start_id="0-0", count=READ_COUNT
-        )
-        entries += claimed[1]
+        if claim:  # entries another relay took and never acknowledged
+            claimed = await self.redis.xautoclaim(
+                stream, RELAY_GROUP, self.consumer, self.claim_idle_ms, start_id="0-0", count=READ_COUNT
+            )
+            entries += claimed[1]
         reply: Any = await self.redis.xreadgroup(RELAY_GROUP, self.consumer, {stream: ">"}, count=READ_COUNT)
         for _, items in reply or []:
             entries += items

@@ -61,6 +61,10 @@ class Names:
         """Stream: the team's usage events, written by the settle script, until the relay produces them."""
         return f"{self.prefix}:usage:{{{team}}}"
 
+    def usage_teams(self) -> str:
+        """Set of the teams with a usage outbox: where relays find them (never a scan of the keyspace)."""
+        return f"{self.prefix}:usageteams"
+
     def usage_mark(self, team: str, request_id: str) -> str:
         """Set once the request's usage event is written: a request has one event, whoever ends it."""
         return f"{self.prefix}:usagemark:{{{team}}}:{request_id}"

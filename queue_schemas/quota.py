@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from queue_schemas.messages import Name
 from queue_schemas.names import Names
-from queue_schemas.usage import USAGE_MARK_TTL_MS, UsageEvent
+from queue_schemas.usage import UsageEvent, usage_mark_ttl_ms
 
 
 class TeamLimits(BaseModel):
@@ -230,7 +230,24 @@ async def settle(
     worker was found); without it, a settle that finds nothing (a second one) writes nothing."""
     now = time.time()
     keys = settle_keys(names, team, request_id, now)
-    event = b"" if usage is None else usage.model_dump_json().encode()
-    args = (int(now * 1000), used_tokens, event, "1" if unreserved else "0", USAGE_MARK_TTL_MS)
+    event, mark_ttl_ms = b"", 0
+    if usage is not None:
+        event, mark_ttl_ms = usage.model_dump_json().encode(), usage_mark_ttl_ms(usage)
+        await register_outbox(redis, names, team)
+    args = (int(now * 1000), used_tokens, event, "1" if unreserved else "0", mark_ttl_ms)
     refund = await redis.eval(SETTLE_SCRIPT, len(keys), *keys, *args)
     return int(refund)
+
+
+_registered: dict[tuple[str, str], float] = {}  # (prefix, team) -> when this process last registered it
+REGISTER_AGAIN_S = 600.0
+
+
+async def register_outbox(redis: aioredis.Redis, names: Names, team: str) -> None:
+    """Name the team's outbox where relays look, before its first event is written (so no event waits
+    on a team the relays do not know). Once per team per process every few minutes: the set only grows."""
+    key, now = (names.prefix, team), time.monotonic()
+    if now - _registered.get(key, -REGISTER_AGAIN_S) < REGISTER_AGAIN_S:
+        return
+    await redis.sadd(names.usage_teams(), team)
+    _registered[key] = now

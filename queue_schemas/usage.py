@@ -21,8 +21,9 @@ from pydantic import Field
 
 from queue_schemas.messages import InferenceRequest, Message, Name, Usage
 
-# How long a request's "usage recorded" mark lives: longer than any request can run or be redelivered.
-USAGE_MARK_TTL_MS = 8 * 24 * 3600 * 1000
+# How long a request's "usage recorded" mark outlives the request's deadline (past it, nothing ends
+# the request again).
+USAGE_MARK_MARGIN_S = 3600.0
 
 
 class UsageStatus(StrEnum):
@@ -56,6 +57,12 @@ class UsageEvent(Message):
     created_at: float = Field(description="epoch seconds of admission")
     ended_at: float
     batch_request_id: str | None = Field(default=None, description="the submitter's id of a batch line")
+    deadline: float = Field(exclude=True, default=0.0, description="the request's; bounds its mark's life")
+
+
+def usage_mark_ttl_ms(event: UsageEvent) -> int:
+    """How long the request's mark is kept: until an hour past the request's deadline."""
+    return int((max(0.0, event.deadline - event.ended_at) + USAGE_MARK_MARGIN_S) * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,7 @@ def usage_event(
         created_at=created,
         ended_at=now,
         batch_request_id=None if request.batch is None else request.batch.request_id,
+        deadline=request.deadline,
     )
 
 
