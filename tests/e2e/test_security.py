@@ -4,6 +4,8 @@ and bodies too large to read."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import re
 import secrets
 from collections.abc import Iterator
@@ -145,8 +147,31 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
                 method, endpoints.url + path, headers={"Authorization": f"Bearer {key_b}"}, timeout=10
             )
             assert response.status_code in (404, 405), (method, path, response.status_code)
-    paths = set(httpx.get(endpoints.url + "/openapi.json", timeout=10).json()["paths"])
-    assert not [p for p in paths if "{" in p], f"a route takes an id: {paths}"
+    # The routes that do take an id are the files' and batches' (unguessable ids, kept per team): each
+    # answers another team 404 for a file and a batch of team A.
+    client_a = openai_client(endpoints, key_a)
+    body = {"model": "sluice-sim", "messages": [{"role": "user", "content": "later"}], "max_tokens": 2}
+    line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    upload = client_a.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+    batch = client_a.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    ids = {"file_id": upload.id, "batch_id": batch.id}
+    paths = httpx.get(endpoints.url + "/openapi.json", timeout=10).json()["paths"]
+    with_id = {(method.upper(), path) for path, ops in paths.items() if "{" in path for method in ops}
+    assert with_id == {
+        ("GET", "/v1/files/{file_id}"),
+        ("DELETE", "/v1/files/{file_id}"),
+        ("GET", "/v1/files/{file_id}/content"),
+        ("GET", "/v1/batches/{batch_id}"),
+        ("POST", "/v1/batches/{batch_id}/cancel"),
+    }
+    for method, path in sorted(with_id):
+        url = endpoints.url + path.format(**ids)
+        response = httpx.request(method, url, headers={"Authorization": f"Bearer {key_b}"}, timeout=10)
+        assert response.status_code == 404, (method, path, response.text)
+        assert response.json()["error"]["code"] == "not_found"
+    assert client_a.files.retrieve(upload.id).id == upload.id  # still there for its owner
 
     # A key limited to some pools does not see the others.
     client_b = openai_client(endpoints, key_b)
