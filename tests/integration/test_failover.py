@@ -190,3 +190,52 @@ async def test_a_worker_restarted_under_its_own_name_goes_on_from_what_it_left(
     finally:
         services.stop()
         await redis.aclose()
+
+
+async def test_requests_held_while_their_partitions_move_are_placed_once(bus: Bus, tmp_path: Path) -> None:
+    """Requests wait in a dispatcher's hold (no worker yet) while a second dispatcher joins, which makes
+    the first re-read the partitions it keeps, and then the first is killed: the survivor reads every one
+    of them again from the committed offsets, and each is placed and answered exactly once."""
+    settings = bus.settings()
+    topic = settings.names.requests_topic("sim")
+    await create_topics(settings, topic, settings.names.deadletter_topic(), partitions=4)
+    services = Services(settings, tmp_path, POOL_FILE.format(token_ms=1, max_running=64))
+    redis = redis_client(settings)
+    port = free_port()
+    try:
+        services.start("dispatcher-0", "dispatcher", "--pool", "sim", env={"SLUICE_METRICS_PORT": str(port)})
+        await leased(redis, settings, [topic], 4, 1)
+        requests = [make_request("sim", f"req-held-{i:05d}", max_tokens=5, deadline_s=120) for i in range(40)]
+        ready = asyncio.Event()
+        collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 90, ready))
+        await ready.wait()
+        await send_requests(settings, requests)
+
+        def received() -> float:
+            return scrape(port, "sluice_dispatcher_received_total", 'topic_kind="requests"')
+
+        async def all_held() -> bool:
+            return received() >= len(requests)
+
+        async def read_again() -> bool:
+            return received() > len(requests)
+
+        await eventually(all_held, 20, "the first dispatcher holding every request")
+        services.start("dispatcher-1", "dispatcher", "--pool", "sim")
+        await leased(redis, settings, [topic], 4, 2)
+        # Once the kept partitions are read again (received counts past the 40), their offsets were
+        # committed as far as the first dispatcher's state allows; then it dies holding its requests.
+        await eventually(read_again, 20, "the first dispatcher reading its kept partitions again")
+        await asyncio.sleep(1.0)  # a commit round or more
+        services.kill9("dispatcher-0")
+        await leased(redis, settings, [topic], 4, 1)
+        services.start("worker-0", "worker", "--pool", "sim", "--worker-id", "w0")
+        events = await collector
+        ends = {rid: terminals(evs) for rid, evs in events.items()}
+        missing = [rid for rid, t in ends.items() if not t]
+        assert not missing, f"{len(missing)} of {len(requests)} requests never answered"
+        assert not [rid for rid, t in ends.items() if len(t) > 1], "requests answered twice"
+        assert all(isinstance(t[0], FinalChunk) for t in ends.values())
+    finally:
+        services.stop()
+        await redis.aclose()
