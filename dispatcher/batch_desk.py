@@ -55,6 +55,16 @@ QUOTA_STORE_RETRY_S = 1.0
 TEAM_CACHE_S = 10.0
 
 
+def served_already(
+    owner: bytes | str | None, started: bytes | str | None, answered: bytes | str | None
+) -> bool:
+    """Whether a batch record read again needs nothing more, by its request's marks: answered, or
+    started by the worker holding its claim. A claim alone is not enough: a dispatcher that died between
+    claiming and appending to the worker's inbox left a request nobody runs, and placing it again
+    appends it to that worker (the placement script's 'owned')."""
+    return answered is not None or (owner is not None and started == owner)
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A submission answered with an error, not held: `send` delivers the answer (the caller decides when,
@@ -183,8 +193,12 @@ class BatchDesk:
         return record
 
     async def _seen(self, rid: str) -> bool:
-        """Placed already (a redelivery) or answered already (a resubmission)."""
-        return bool(await self.redis.exists(self.names.placement(rid), self.names.answered(rid)))
+        """Started by the worker it was placed on (a redelivery) or answered (a resubmission)."""
+        names = self.names
+        owner, started, answered = await self.redis.mget(  # one slot: all the request's keys
+            [names.placement(rid), names.started(rid), names.answered(rid)]
+        )
+        return served_already(owner, started, answered)
 
     async def reserve(self, held: Held) -> Reserve | Refusal:
         """Reserve the team's quota for a batch request about to be placed (ingress did it for the rest)."""

@@ -58,6 +58,8 @@ RESERVE_SCRIPT = """
 local now = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
 local tpm, rpm, daily = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+-- A request holds one reservation: one read again after a dispatcher died has it already.
+if redis.call('EXISTS', KEYS[4]) == 1 then return {0, 0, '-1', '-1', '0'} end
 
 local function level(key, cap)
   local v = redis.call('HMGET', key, 'level', 'ts')

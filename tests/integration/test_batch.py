@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+from queue_schemas.batch import internal_request_id
 from queue_schemas.quota import TeamLimits, TeamRecord
+from queue_schemas.quota_gate import QuotaGate
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
     chat,
@@ -136,3 +138,28 @@ async def test_batch_quota_is_reserved_and_settled(bus: Bus) -> None:
         assert all(a["response"]["body"]["error"]["code"] == "insufficient_quota" for a in refused)
         day = await p.redis.keys(names.quota_day("acme", "*"))
         assert int(await p.redis.get(day[0]) or 0) == used  # settled to the real usage
+
+
+async def test_a_record_claimed_by_a_dispatcher_that_died_is_answered_and_charged_once(bus: Bus) -> None:
+    """A dispatcher reserved the team's quota for a batch request, claimed it for a worker and died before
+    appending it to the worker's inbox. The record read again is appended to that worker, answered once,
+    and the team is charged its real usage once (the first reservation is not taken again)."""
+    async with pipeline(bus, workers=1) as p:
+        names = p.settings.names
+        limits = TeamLimits(daily_tokens=10_000)
+        await p.redis.set(names.team("acme"), TeamRecord(team="acme", limits=limits).model_dump_json())
+        acme = await register_signer(p.redis, names, "acme")
+        reply = names.results_topic("acme")
+        await create_topics(p.settings, reply, partitions=1)
+        rid = internal_request_id("acme", "q-claimed")
+        await QuotaGate(p.redis, names).reserve("acme", limits, rid, 300, hold_s=60)
+        await p.redis.set(names.placement(rid), p.worker_id)
+        sub = submission("q-claimed", chat("claimed and never appended", max_tokens=5))
+        await produce(p.settings, [(names.batch_topic("sim"), json.dumps(sub).encode())], acme)
+        answers = await read_answers(p.settings.kafka_bootstrap, reply, 1, 30)
+        assert len(answers) == 1, answers
+        assert answers[0]["response"]["status_code"] == 200
+        used = answers[0]["response"]["body"]["usage"]["total_tokens"]
+        assert await p.redis.get(names.started(rid)) == p.worker_id.encode()
+        day = await p.redis.keys(names.quota_day("acme", "*"))
+        assert int(await p.redis.get(day[0]) or 0) == used, "charged once, its real usage"

@@ -1,3 +1,4 @@
+from dispatcher.batch_desk import served_already
 from dispatcher.hold import FairQueue, Held, Hold, team_weights
 from queue_schemas.messages import InferenceRequest, Priority, SamplingParams, Tier
 from queue_schemas.quota import TeamRecord
@@ -154,3 +155,11 @@ def test_a_record_read_again_is_recognised_as_the_one_held() -> None:
     assert not hold.holds_record(first.request.request_id, ("t", 0), 8)  # a resubmission, later
     assert not hold.holds_record(first.request.request_id, ("t", 1), 7)
     assert not hold.holds_record("req-00000099", ("t", 0), 7)
+
+
+def test_a_batch_record_read_again_is_served_already_only_once_started_where_claimed() -> None:
+    assert not served_already(None, None, None)  # never placed
+    assert not served_already(b"w1", None, None)  # claimed by a dispatcher that died before appending
+    assert not served_already(b"w3", b"w9", None)  # moved to w3 off a lost w9, not started by w3 yet
+    assert served_already(b"w1", b"w1", None)
+    assert served_already(None, None, b"1")  # answered: a resubmission
