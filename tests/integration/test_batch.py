@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from queue_schemas.batch import internal_request_id
 from queue_schemas.quota import TeamLimits, TeamRecord
 from queue_schemas.quota_gate import QuotaGate
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
+    Pipeline,
     chat,
     create_topics,
     pipeline,
@@ -17,6 +20,22 @@ from tests.integration.helpers import (
     register_signer,
     submission,
 )
+
+
+async def budgeted_team(p: Pipeline, limits: TeamLimits) -> tuple[Ed25519PrivateKey, str]:
+    """Team acme with `limits`, a registered signing key, and its results topic made."""
+    names = p.settings.names
+    await p.redis.set(names.team("acme"), TeamRecord(team="acme", limits=limits).model_dump_json())
+    signer = await register_signer(p.redis, names, "acme")
+    reply = names.results_topic("acme")
+    await create_topics(p.settings, reply, partitions=1)
+    return signer, reply
+
+
+async def charged_today(p: Pipeline) -> int:
+    """What acme's day counter holds."""
+    day = await p.redis.keys(p.settings.names.quota_day("acme", "*"))
+    return int(await p.redis.get(day[0]) or 0)
 
 
 async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) -> None:
@@ -116,10 +135,7 @@ async def test_batch_quota_is_reserved_and_settled(bus: Bus) -> None:
     async with pipeline(bus, workers=1) as p:
         names = p.settings.names
         limits = TeamLimits(daily_tokens=400)
-        await p.redis.set(names.team("acme"), TeamRecord(team="acme", limits=limits).model_dump_json())
-        acme = await register_signer(p.redis, names, "acme")
-        reply = names.results_topic("acme")
-        await create_topics(p.settings, reply, partitions=1)
+        acme, reply = await budgeted_team(p, limits)
         # each reserves its prompt (about 50 tokens) + 100 allowed output tokens
         subs = [submission(f"q-{i}", chat(f"question number {i}", max_tokens=100)) for i in range(6)]
         await produce(
@@ -136,8 +152,7 @@ async def test_batch_quota_is_reserved_and_settled(bus: Bus) -> None:
         )
         refused = [a for a in answers if a["response"]["status_code"] == 429]
         assert all(a["response"]["body"]["error"]["code"] == "insufficient_quota" for a in refused)
-        day = await p.redis.keys(names.quota_day("acme", "*"))
-        assert int(await p.redis.get(day[0]) or 0) == used  # settled to the real usage
+        assert await charged_today(p) == used  # settled to the real usage
 
 
 async def test_a_record_claimed_by_a_dispatcher_that_died_is_answered_and_charged_once(bus: Bus) -> None:
@@ -147,10 +162,7 @@ async def test_a_record_claimed_by_a_dispatcher_that_died_is_answered_and_charge
     async with pipeline(bus, workers=1) as p:
         names = p.settings.names
         limits = TeamLimits(daily_tokens=10_000)
-        await p.redis.set(names.team("acme"), TeamRecord(team="acme", limits=limits).model_dump_json())
-        acme = await register_signer(p.redis, names, "acme")
-        reply = names.results_topic("acme")
-        await create_topics(p.settings, reply, partitions=1)
+        acme, reply = await budgeted_team(p, limits)
         rid = internal_request_id("acme", "q-claimed")
         await QuotaGate(p.redis, names).reserve("acme", limits, rid, 300, hold_s=60)
         await p.redis.set(names.placement(rid), p.worker_id)
@@ -161,5 +173,4 @@ async def test_a_record_claimed_by_a_dispatcher_that_died_is_answered_and_charge
         assert answers[0]["response"]["status_code"] == 200
         used = answers[0]["response"]["body"]["usage"]["total_tokens"]
         assert await p.redis.get(names.started(rid)) == p.worker_id.encode()
-        day = await p.redis.keys(names.quota_day("acme", "*"))
-        assert int(await p.redis.get(day[0]) or 0) == used, "charged once, its real usage"
+        assert await charged_today(p) == used, "charged once, its real usage"
