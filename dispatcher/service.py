@@ -508,6 +508,6 @@ class Dispatcher:
             await self.batch.answer_error(request, code, message)
             return
         chunk = ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
-        ttl = log_ttl_ms(request.deadline, time.time(), terminal=True)
+        ttl = log_ttl_ms(request.deadline, time.time(), True, request.keep_log_s)
         keys, args = chunk_args(self.names, chunk, encode(chunk), "", ttl, self.settings.stream_publish)
         await self._log_chunk(keys=keys, args=args)

@@ -75,7 +75,7 @@ class RequestOutput:
             )
 
     async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
-        ttl = log_ttl_ms(self.request.deadline, time.time(), is_terminal(chunk))
+        ttl = log_ttl_ms(self.request.deadline, time.time(), is_terminal(chunk), self.request.keep_log_s)
         command = self._publish_command if publish else ""
         keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, command)
         give_up = time.monotonic() + self._outage_s

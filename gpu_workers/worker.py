@@ -434,7 +434,7 @@ class Worker:
         keys = begin_keys(names, rid)
         args: list[str | bytes | int] = [self.settings.worker_id, STARTED_MARK_TTL_MS]
         if first is not None:
-            ttl = log_ttl_ms(request.deadline, time.time(), terminal=False)
+            ttl = log_ttl_ms(request.deadline, time.time(), False, request.keep_log_s)
             args += [self.settings.stream_publish, encode(first), first.seq, ttl]
         outcome = await self._begin_script(keys=keys, args=args)
         return outcome.decode() if isinstance(outcome, bytes) else str(outcome)

@@ -17,6 +17,8 @@ from ingress.batch_keeper import BatchKeeper
 from ingress.batch_routes import router as batch_router
 from ingress.context import IngressContext
 from ingress.pool_gate import PoolGate
+from ingress.response_store import ResponseStore
+from ingress.responses_routes import router as responses_router
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
@@ -80,6 +82,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             QuotaGate(redis, names),
             PoolGate(redis, names),
             files,
+            ResponseStore(redis, names, settings.stream_publish, settings.responses_retain_s),
         )
         log.info("ingress ready", pools=[p.name for p in pools.pools])
         try:
@@ -96,6 +99,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app = FastAPI(title="sluice ingress", lifespan=lifespan, openapi_url="/openapi.json", docs_url=None)
     app.include_router(router)
     app.include_router(batch_router)
+    app.include_router(responses_router)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 
 from ingress.auth import Authenticator
 from ingress.pool_gate import PoolGate
+from ingress.response_store import ResponseStore
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from queue_schemas.admission import partition_key
@@ -45,6 +46,7 @@ class IngressContext:
     quota: QuotaGate
     pool_gate: PoolGate
     files: ObjectStore
+    responses: ResponseStore
     checks: CheckRunner = field(default_factory=CheckRunner)  # schema checks, after the quota gate
     background: set[asyncio.Task[None]] = field(default_factory=set)
 

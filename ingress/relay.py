@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import structlog
@@ -34,14 +34,26 @@ from queue_schemas.structured import ToolCallPlan, completion_body, parse_tool_c
 log = structlog.get_logger("sluice.ingress.relay")
 
 
+class Streamed(Protocol):
+    """What a stream is read for: its request's id and deadline (a request, or a stored response)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def deadline(self) -> float: ...
+
+
 # Reads a request's replay log from a sequence number on: (request id, seq) -> chunks in order.
 LogReader = Callable[[str, int], Awaitable[list[StreamEvent]]]
 
 
 async def events(
-    sub: Subscription, request: InferenceRequest, read_log: LogReader
+    sub: Subscription, request: Streamed, read_log: LogReader, *, quiet_disconnect: bool = False
 ) -> AsyncIterator[StreamEvent]:
-    """Yield the request's chunks in order; always end with a FinalChunk or an ErrorChunk."""
+    """Yield the request's chunks in order; always end with a FinalChunk or an ErrorChunk, except
+    with `quiet_disconnect` when the stream relay is lost: then it just ends (the request runs on, and
+    its reader can come back for the rest)."""
     expected_seq = 0
     backlog: deque[StreamEvent] = deque()
     while True:
@@ -66,6 +78,8 @@ async def events(
                 )
                 return
             except HubDisconnected as exc:
+                if quiet_disconnect:
+                    return
                 yield _error(request, expected_seq, ErrorCode.WORKER_LOST, str(exc))
                 return
             except SchemaError as exc:
@@ -97,7 +111,7 @@ async def events(
             return
 
 
-async def _catch_up(read_log: LogReader, request: InferenceRequest, from_seq: int) -> list[StreamEvent]:
+async def _catch_up(read_log: LogReader, request: Streamed, from_seq: int) -> list[StreamEvent]:
     """The logged chunks from `from_seq` on; none if the log cannot be read now."""
     try:
         return await read_log(request.request_id, from_seq)
@@ -106,7 +120,7 @@ async def _catch_up(read_log: LogReader, request: InferenceRequest, from_seq: in
         return []
 
 
-def _error(request: InferenceRequest, seq: int, code: str, message: str) -> ErrorChunk:
+def _error(request: Streamed, seq: int, code: str, message: str) -> ErrorChunk:
     return ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
 
 

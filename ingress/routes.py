@@ -7,6 +7,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import structlog
@@ -158,6 +159,14 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
     pool and quota gate, and only then the schemas (validated and compiled in a check thread)."""
     raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
     body = parse_body(ChatCompletionRequest, raw)
+    pool, prompt_ids, plan = await prepare_chat(ctx, team, body, size)
+    return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
+
+
+async def prepare_chat(
+    ctx: IngressContext, team: Caller, body: ChatCompletionRequest, size: int
+) -> tuple[PoolConfig, list[int], Callable[[], Awaitable[OutputPlan]]]:
+    """The pool, the prompt's tokens (tools included) and the deferred output plan of a chat request."""
     pool = resolve_pool(ctx, team, body.model)
     check_sizes(body)
     tokenizer = ctx.tokenizers[pool.name]
@@ -175,7 +184,7 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
             lambda: plan_output(body, call_id, compile_check, tool_parser=False), checked_param(body)
         )
 
-    return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
+    return pool, prompt_ids, plan
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
@@ -190,17 +199,26 @@ async def completions(request: Request, ctx: Context, team: Team) -> Response:
     return await serve(ctx, team, pool, body, prompt_ids, "text")
 
 
-async def serve(
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request past the gates, with its quota reserved: queue it, or release its reservation."""
+
+    inference: InferenceRequest
+    plan: OutputPlan
+    headers: dict[str, str]
+
+
+async def admit(
     ctx: IngressContext,
     team: Caller,
     pool: PoolConfig,
     body: GenerationFields,
     prompt_ids: list[int],
-    kind: Literal["chat", "text"],
     make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
-) -> Response:
-    """Admit (pool and quota), check the output plan, queue, then relay: the steps both completion
-    endpoints share. The plan's checks are the expensive ones, so they come after the gate."""
+    keep_log_s: int = 0,
+) -> Admitted:
+    """Admit (pool and quota), then check the output plan: the steps every generating endpoint
+    shares. The plan's checks are the expensive ones, so they come after the gate."""
     if body.tier() is Tier.PRIORITY and not team.key.allow_priority:
         raise PermissionDenied(
             "This API key may not use service_tier 'priority'; use 'default' or 'flex', or a key that "
@@ -213,6 +231,8 @@ async def serve(
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
         key_id=team.key.key_id,
     )  # fmt: skip
+    if keep_log_s:
+        inference = inference.model_copy(update={"keep_log_s": keep_log_s})
     try:
         await ctx.pool_gate.check(pool)
         hold_s = inference.deadline - inference.created_at + 60
@@ -229,6 +249,21 @@ async def serve(
     if plan.structured is not None:
         sampling = inference.sampling.model_copy(update={"structured": plan.structured})
         inference = inference.model_copy(update={"sampling": sampling})
+    return Admitted(inference, plan, headers)
+
+
+async def serve(
+    ctx: IngressContext,
+    team: Caller,
+    pool: PoolConfig,
+    body: GenerationFields,
+    prompt_ids: list[int],
+    kind: Literal["chat", "text"],
+    make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
+) -> Response:
+    """Admit, queue, then relay: the steps both completion endpoints share."""
+    admitted = await admit(ctx, team, pool, body, prompt_ids, make_plan)
+    inference, plan, headers = admitted.inference, admitted.plan, admitted.headers
     sub = await queue(ctx, inference)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     model = inference.adapter or pool.model

@@ -3,6 +3,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from queue_schemas.batch_api import MAX_FILE_BYTES
+from queue_schemas.messages import MAX_KEEP_LOG_S
 from queue_schemas.settings import BusSettings
 
 
@@ -15,6 +16,13 @@ class IngressSettings(BusSettings):
         default=30.0,
         gt=0,
         description="how long open streams wait for a lost Redis connection to come back before they end",
+    )
+    responses_retain_s: int = Field(
+        default=3600,
+        ge=60,
+        le=MAX_KEEP_LOG_S,
+        description="how long past its deadline a stored /v1/responses response, and the events a "
+        "stream is resumed from, are kept",
     )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     files_store: str = Field(

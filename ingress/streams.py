@@ -94,7 +94,7 @@ class StreamHub:
         self._node_client = node_client
         self._outage_s = outage_s
         self._control = control_channel.encode()
-        self._subs: dict[bytes, Subscription] = {}
+        self._subs: dict[bytes, list[Subscription]] = {}  # a channel may have several readers
         self._confirm: dict[bytes, asyncio.Future[None]] = {}
         self._shards: dict[str, _Shard] = {}
         self._shard_of: dict[bytes, str] = {}
@@ -108,7 +108,7 @@ class StreamHub:
 
     @property
     def open_subscriptions(self) -> int:
-        return len(self._subs)
+        return sum(len(subs) for subs in self._subs.values())
 
     @property
     def shards(self) -> int:
@@ -141,8 +141,13 @@ class StreamHub:
             raise HubDisconnected("pub/sub connection is down")
         key = channel.encode()
         sub = Subscription(self, key)
+        readers = self._subs.get(key)
+        if readers:  # already subscribed here (another reader of the same stream): share it
+            readers.append(sub)
+            await self._join(sub)
+            return sub
         confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._subs[key] = sub
+        self._subs[key] = [sub]
         self._confirm[key] = confirmed
         give_up = time.monotonic() + SUBSCRIBE_TIMEOUT_S
         try:
@@ -167,14 +172,34 @@ class StreamHub:
             await asyncio.wait_for(confirmed, max(0.5, give_up - time.monotonic()))
         except (RedisError, OSError, TimeoutError) as exc:
             self._forget(key)
+            if not confirmed.done():  # readers that joined meanwhile fail with this one
+                confirmed.set_exception(HubDisconnected(f"could not subscribe: {exc}"))
+                confirmed.exception()
             raise HubDisconnected(f"could not subscribe: {exc}") from exc
         finally:
             self._confirm.pop(key, None)
         return sub
 
-    async def unsubscribe(self, sub: Subscription) -> None:
-        if self._subs.get(sub.channel) is not sub:
+    async def _join(self, sub: Subscription) -> None:
+        """A second reader of a channel: live once the first reader's subscription is confirmed."""
+        pending = self._confirm.get(sub.channel)
+        if pending is None:
             return
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), SUBSCRIBE_TIMEOUT_S)
+        except (HubDisconnected, TimeoutError) as exc:
+            readers = self._subs.get(sub.channel)
+            if readers is not None and sub in readers:
+                readers.remove(sub)
+            raise HubDisconnected(f"could not subscribe: {exc}") from exc
+
+    async def unsubscribe(self, sub: Subscription) -> None:
+        readers = self._subs.get(sub.channel)
+        if not readers or sub not in readers:
+            return
+        readers.remove(sub)
+        if readers:
+            return  # the channel still has readers here
         shard = self._shards.get(self._shard_of.get(sub.channel, ""))
         self._forget(sub.channel)
         if shard is None or shard.pubsub is None or not shard.connected.is_set():
@@ -271,9 +296,9 @@ class StreamHub:
         assert self._cluster is not None
         await self._read_slot_map()
         for key in keys:
-            sub = self._subs.get(key)
+            readers = self._subs.get(key)
             node = self._cluster.get_node_from_key(key.decode())
-            if sub is None or node is None or node.name == self._shard_of.get(key):
+            if not readers or node is None or node.name == self._shard_of.get(key):
                 continue  # still where it was: that connection's reconnect subscribes it again
             if key in self._confirm:
                 continue  # still being subscribed: `subscribe` finds it a connection itself
@@ -291,7 +316,8 @@ class StreamHub:
                     old.channels.add(key)  # tried again when that connection is restored
                     self._shard_of[key] = old.name
                 continue
-            sub.deliver(RESYNC)
+            for sub in readers:
+                sub.deliver(RESYNC)
 
     async def _send_subscribe(self, pubsub: PubSub, *keys: bytes) -> None:
         if self._cluster is not None:
@@ -358,8 +384,7 @@ class StreamHub:
             await self._route(shard, msg)
         shard.connected.set()
         for key in channels:
-            sub = self._subs.get(key)
-            if sub is not None:
+            for sub in self._subs.get(key, ()):
                 sub.deliver(RESYNC)
 
     async def _read_forever(self, shard: _Shard) -> None:
@@ -372,8 +397,7 @@ class StreamHub:
     async def _route(self, shard: _Shard, msg: dict[str, Any]) -> None:
         kind, channel = msg["type"], msg["channel"]
         if kind in ("message", "smessage"):
-            sub = self._subs.get(channel)
-            if sub is not None:
+            for sub in self._subs.get(channel, ()):
                 sub.deliver(msg["data"])
         elif kind in ("subscribe", "ssubscribe"):
             fut = self._confirm.get(channel)
@@ -386,9 +410,9 @@ class StreamHub:
 
     def _fail(self, shard: _Shard, exc: BaseException) -> None:
         for key in list(shard.channels):
-            sub = self._subs.get(key)
+            readers = self._subs.get(key, [])
             self._forget(key)
-            if sub is not None:
+            for sub in readers:
                 sub.deliver(exc)
             fut = self._confirm.get(key)
             if fut is not None and not fut.done():

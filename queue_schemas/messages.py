@@ -17,6 +17,8 @@ RequestId = Annotated[str, Field(min_length=8, max_length=128, pattern=r"^[A-Za-
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_\-]*$")]
 
 
+MAX_KEEP_LOG_S = 7 * 24 * 3600
+
 # A signed 64-bit seed, as engines take it (vLLM's own server caps seeds so).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -158,6 +160,13 @@ class InferenceRequest(Message):
     )
     deadline: float = Field(description="epoch seconds after which the request is abandoned")
     resume: Resume | None = Field(default=None, description="set when the request moved off a lost worker")
+    keep_log_s: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_KEEP_LOG_S,
+        description="how long past its deadline its replay log is kept (a stored response's events); "
+        "0: a couple of minutes after it ends",
+    )
 
     @model_validator(mode="after")
     def _kafka_reply_needs_ticket(self) -> InferenceRequest:

@@ -171,6 +171,10 @@ class Names:
     def answered(self, request_id: str) -> str:
         return f"{self.prefix}:answered:{{{request_id}}}"
 
+    def response(self, request_id: str) -> str:
+        """Hash: a stored response's record (/v1/responses), and when a cancel of it was accepted."""
+        return f"{self.prefix}:resp:{{{request_id}}}"
+
     def cancelled(self, request_id: str) -> str:
         return f"{self.prefix}:cancelled:{{{request_id}}}"
 

@@ -9,7 +9,8 @@ is what the rest of the system trusts about a stream:
 
 Writes are fenced on the placement record: a worker that is no longer the request's owner (it was
 presumed lost and the request moved) cannot add to the log or the stream. The log lives while the
-request can still run and for LOG_AFTER_END_MS after its terminal chunk.
+request can still run and for LOG_AFTER_END_MS after its terminal chunk; a stored response's log
+(InferenceRequest.keep_log_s) until that long past the request's deadline.
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ LOG_AFTER_END_MS = 120_000
 MIN_LOG_TTL_MS = 60_000
 
 
-def log_ttl_ms(deadline: float, now: float, terminal: bool) -> int:
+def log_ttl_ms(deadline: float, now: float, terminal: bool, keep_s: int = 0) -> int:
     """How long the log is kept after this write: past the request's deadline while it runs (it may
-    still move), a couple of minutes once it has ended (for an ingress catching up)."""
+    still move), a couple of minutes once it has ended (for an ingress catching up). A stored response's
+    log (`keep_s` > 0) is kept until `keep_s` past the deadline, running or ended: the response record
+    beside it expires then too."""
+    if keep_s > 0:
+        return max(MIN_LOG_TTL_MS, int((deadline - now + keep_s) * 1000))
     if terminal:
         return LOG_AFTER_END_MS
     return max(MIN_LOG_TTL_MS, int((deadline - now) * 1000) + LOG_AFTER_END_MS)

@@ -1,0 +1,94 @@
+"""Stored responses (/v1/responses) in Redis: a record per response beside its request's replay log.
+
+The record (`resp:{<request id>}`, in the request's slot) holds what the response object echoes and
+who owns it; the response's output is its request's replay log, read again whenever the response is
+retrieved or its stream resumed (queue_schemas.response_events). Record and log expire at the same
+moment: `responses_retain_s` past the request's deadline.
+
+A cancel is one script on the request's keys: it marks the request cancelled (a worker that has not
+started it never will), notes the time in the record, and, for a request no worker has started, ends
+its stream at once with a `cancelled` error chunk (nothing else would: its dispatcher drops it
+silently). A started request's worker stops at the cancel notice and logs the error chunk itself,
+after charging the team what was generated.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from queue_schemas.codec import encode
+from queue_schemas.errors import ErrorCode
+from queue_schemas.messages import ErrorChunk
+from queue_schemas.names import Names
+from queue_schemas.response_events import ResponseRecord
+
+RECORD = "record"
+CANCELLED = "cancelled"
+CANCEL_MARK_TTL_MS = 10 * 60 * 1000
+
+# KEYS: response record, cancelled mark, started mark, replay log, stream channel (one request's slot).
+# ARGV: cancel mark ttl ms, the cancelled error chunk, its log ttl ms, the publish command, now.
+# Returns 'ended' when the request had not started (its stream is ended here), else 'running'.
+CANCEL_SCRIPT = """
+redis.call('HSETNX', KEYS[1], 'cancelled', ARGV[5])
+redis.call('SET', KEYS[2], 'response cancelled', 'PX', ARGV[1])
+if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('HLEN', KEYS[4]) == 0 then
+  redis.call('HSET', KEYS[4], '0', ARGV[2])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+  redis.call(ARGV[4], KEYS[5], ARGV[2])
+  return 'ended'
+end
+return 'running'
+"""
+
+
+class ResponseStore:
+    def __init__(self, redis: aioredis.Redis, names: Names, publish_command: str, keep_s: int) -> None:
+        self._redis = redis
+        self._names = names
+        self._publish = publish_command
+        self.keep_s = keep_s
+        self._cancel = redis.register_script(CANCEL_SCRIPT)
+
+    def _ttl_ms(self, record: ResponseRecord) -> int:
+        """Until `keep_s` past the deadline: when its request's replay log expires too."""
+        return max(1000, int((record.deadline - time.time() + self.keep_s) * 1000))
+
+    async def save(self, record: ResponseRecord) -> None:
+        key = self._names.response(record.request_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, RECORD, record.model_dump_json())
+            pipe.pexpire(key, self._ttl_ms(record))
+            await pipe.execute()
+
+    async def load(self, request_id: str) -> tuple[ResponseRecord, bool] | None:
+        """The record and whether a cancel was accepted; None when there is no such response."""
+        raw = await self._redis.hmget(self._names.response(request_id), [RECORD, CANCELLED])
+        if raw[0] is None:
+            return None
+        return ResponseRecord.model_validate_json(raw[0]), raw[1] is not None
+
+    async def cancel(self, record: ResponseRecord) -> str:
+        rid = record.request_id
+        names = self._names
+        chunk = ErrorChunk(
+            request_id=rid, seq=0, code=ErrorCode.CANCELLED, message="the response was cancelled"
+        )
+        keys = [
+            names.response(rid), names.cancelled(rid), names.started(rid), names.replay(rid),
+            names.stream_channel(rid),
+        ]  # fmt: skip
+        args: list[str | bytes | int] = [
+            CANCEL_MARK_TTL_MS,
+            encode(chunk),
+            self._ttl_ms(record),
+            self._publish,
+            f"{time.time():.3f}",
+        ]
+        outcome = await self._cancel(keys=keys, args=args)
+        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+
+    async def delete(self, request_id: str) -> None:
+        await self._redis.delete(self._names.response(request_id), self._names.replay(request_id))

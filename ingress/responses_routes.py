@@ -1,0 +1,269 @@
+"""The Responses API: create (streamed or not, in the foreground or the background), retrieve, resume a
+stream, cancel and delete. A request is served as the chat request it maps onto (routes.admit, the same
+queue and engines); its events are made from its request's chunks (queue_schemas.response_events).
+
+A foreground stream whose client goes away is cancelled, as a chat stream is. A background response
+runs whether or not anyone reads it; its stream can be read again, from the start or after the last
+event a client saw (`starting_after`), through any ingress, until the record expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import orjson
+import structlog
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+from sse_starlette import EventSourceResponse
+
+from ingress import relay
+from ingress.context import IngressContext
+from ingress.metrics import ACTIVE_STREAMS, REQUESTS
+from ingress.routes import Context, Team, admit, body_schema, prepare_chat, queue, read_json_body
+from ingress.streams import RESYNC, HubDisconnected, Subscription
+from queue_schemas.admission import parse_body
+from queue_schemas.api_errors import InvalidRequest, NotFound, ServiceUnavailable, from_bus_error
+from queue_schemas.messages import ErrorChunk, InferenceRequest
+from queue_schemas.response_events import (
+    ResponseEvents,
+    ResponseRecord,
+    ToolPlan,
+    replayed,
+    shown_status,
+    unseen,
+)
+from queue_schemas.responses_api import ResponsesRequest, as_chat, check_served, parse_response_id
+from queue_schemas.structured import OutputPlan
+
+log = structlog.get_logger("sluice.ingress.responses")
+router = APIRouter()
+
+
+def echo_fields(body: ResponsesRequest) -> dict[str, Any]:
+    """What the response object repeats of its request."""
+    text = body.text.model_dump(by_alias=True, exclude_none=True) if body.text is not None else {}
+    choice = body.tool_choice
+    return {
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {},
+        "service_tier": body.service_tier or "default",
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "user": body.user,
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+        "tool_choice": choice.model_dump()
+        if choice is not None and not isinstance(choice, str)
+        else choice or "auto",
+        "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "text": {"format": {"type": "text"}, **text},
+    }
+
+
+def record_of(
+    body: ResponsesRequest, inference: InferenceRequest, model: str, plan: OutputPlan
+) -> ResponseRecord:
+    tool = plan.tool
+    return ResponseRecord(
+        request_id=inference.request_id,
+        team=inference.team,
+        model=model,
+        created_at=inference.created_at,
+        deadline=inference.deadline,
+        prompt_tokens=inference.client_prompt_tokens,
+        background=body.background,
+        tool=None if tool is None else ToolPlan(call_id=tool.call_id, name=tool.name, auto=tool.auto),
+        echo=echo_fields(body),
+    )
+
+
+@router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
+async def create_response(request: Request, ctx: Context, team: Team) -> Response:
+    raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
+    if not isinstance(raw, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    check_served(raw)
+    body = parse_body(ResponsesRequest, raw)
+    if body.background and not body.store:
+        raise InvalidRequest("A background response must be stored: store cannot be false.", param="store")
+    chat = as_chat(body)
+    pool, prompt_ids, plan = await prepare_chat(ctx, team, chat, size)
+    keep_s = ctx.settings.responses_retain_s if body.store else 0
+    admitted = await admit(ctx, team, pool, chat, prompt_ids, plan, keep_s)
+    inference, headers = admitted.inference, admitted.headers
+    record = record_of(body, inference, inference.adapter or pool.model, admitted.plan)
+    if body.store:
+        try:
+            await ctx.responses.save(record)
+        except RedisError as exc:
+            await ctx.release(inference.team, inference.request_id)
+            raise ServiceUnavailable("Responses cannot be stored now; retry shortly.") from exc
+    events = ResponseEvents(record)
+    if body.background and not body.stream:
+        try:
+            await ctx.publish(inference)
+        except BaseException:
+            await ctx.release(inference.team, inference.request_id)
+            raise
+        events.opening()
+        return JSONResponse(events.body(), headers=headers)
+    sub = await queue(ctx, inference)
+    ACTIVE_STREAMS.labels(pool.name).inc()
+    if body.stream:
+        stream = sse(ctx, sub, events, after=-1, pool=pool.name, cancel_on_leave=not body.background)
+        return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
+    try:
+        events.opening()
+        async for chunk in relay.events(sub, record, ctx.read_log):
+            if isinstance(chunk, ErrorChunk):
+                raise from_bus_error(chunk.code, chunk.message)
+            events.feed(chunk)
+        REQUESTS.labels(pool.name, "ok").inc()
+        return JSONResponse(events.body(), headers=headers)
+    except asyncio.CancelledError:
+        ctx.cancel_soon(inference.request_id, "client disconnected")
+        REQUESTS.labels(pool.name, "cancelled").inc()
+        raise
+    except Exception:
+        REQUESTS.labels(pool.name, "error").inc()
+        raise
+    finally:
+        ACTIVE_STREAMS.labels(pool.name).dec()
+        await sub.close()
+
+
+async def sse(
+    ctx: IngressContext,
+    sub: Subscription,
+    events: ResponseEvents,
+    *,
+    after: int,
+    pool: str,
+    cancel_on_leave: bool,
+) -> AsyncIterator[dict[str, str]]:
+    """A response's events after sequence number `after`. A foreground response whose client leaves
+    first is cancelled; a background one runs on, and its stream can be read again."""
+    record = events.record
+    outcome = "cancelled" if cancel_on_leave else "left"
+    try:
+        for event in unseen(events.opening(), after):
+            yield _sse(event)
+        async for chunk in relay.events(sub, record, ctx.read_log, quiet_disconnect=not cancel_on_leave):
+            for event in unseen(events.feed(chunk), after):
+                yield _sse(event)
+            if isinstance(chunk, ErrorChunk):
+                outcome = "error"
+            elif events.status not in ("queued", "in_progress"):
+                outcome = "ok"
+    finally:
+        if outcome == "cancelled":
+            ctx.cancel_soon(record.request_id, "client disconnected")
+        REQUESTS.labels(pool, outcome).inc()
+        ACTIVE_STREAMS.labels(pool).dec()
+        await sub.close()
+
+
+def _sse(event: dict[str, Any]) -> dict[str, str]:
+    return {"event": event["type"], "data": orjson.dumps(event).decode()}
+
+
+async def find(ctx: IngressContext, team: Team, response_id: str) -> tuple[ResponseRecord, bool]:
+    """The caller's stored response and whether a cancel of it was accepted; another team's is a 404,
+    the same as one that never existed."""
+    missing = NotFound(f"No response found with id '{response_id}'.", param="response_id", code="not_found")
+    rid = parse_response_id(response_id)
+    if rid is None:
+        raise missing
+    try:
+        found = await ctx.responses.load(rid)
+    except RedisError as exc:
+        raise ServiceUnavailable("Responses cannot be read now; retry shortly.") from exc
+    if found is None or found[0].team != team.team:
+        raise missing
+    return found
+
+
+async def current(ctx: IngressContext, record: ResponseRecord, cancelled: bool) -> ResponseEvents:
+    """The response as its log shows it now."""
+    try:
+        chunks = await ctx.read_log(record.request_id, 0)
+    except RedisError as exc:
+        raise ServiceUnavailable("Responses cannot be read now; retry shortly.") from exc
+    return replayed(record, chunks)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(
+    response_id: str,
+    ctx: Context,
+    team: Team,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+    include: Annotated[list[str] | None, Query()] = None,
+    include_obfuscation: bool | None = None,
+) -> Response:
+    """The response now, or (`stream=true`) its events, from the start or after `starting_after`."""
+    if include:
+        raise InvalidRequest("'include' is not supported by this server.", param="include")
+    if starting_after is not None and not stream:
+        raise InvalidRequest("starting_after is only allowed with stream=true.", param="starting_after")
+    record, cancelled = await find(ctx, team, response_id)
+    if not stream:
+        events = await current(ctx, record, cancelled)
+        return JSONResponse(events.body(shown_status(events, cancelled, time.time())))
+    try:
+        sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(record.request_id))
+    except HubDisconnected as exc:
+        raise ServiceUnavailable("The stream relay is unavailable; retry shortly.") from exc
+    sub.deliver(RESYNC)  # read what the log holds first, then follow the live stream
+    pool = _pool_of(ctx, record)
+    ACTIVE_STREAMS.labels(pool).inc()
+    after = -1 if starting_after is None else starting_after
+    events = ResponseEvents(record)
+    return EventSourceResponse(
+        sse(ctx, sub, events, after=after, pool=pool, cancel_on_leave=False), ping=ctx.settings.keepalive_s
+    )
+
+
+def _pool_of(ctx: IngressContext, record: ResponseRecord) -> str:
+    pool = ctx.pools.pool_for_model(record.model)
+    return pool.name if pool is not None else "unknown"
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, ctx: Context, team: Team) -> JSONResponse:
+    """Stop a background response: the engine stops and the team is charged what was generated. A
+    response that has ended already is returned as it is."""
+    record, cancelled = await find(ctx, team, response_id)
+    if not record.background:
+        raise InvalidRequest("Only background responses can be cancelled.", param="response_id")
+    events = await current(ctx, record, cancelled)
+    if events.status in ("queued", "in_progress"):
+        try:
+            await ctx.responses.cancel(record)
+        except RedisError as exc:
+            raise ServiceUnavailable("The response cannot be cancelled now; retry shortly.") from exc
+        ctx.cancel_soon(record.request_id, "response cancelled")
+        events = await current(ctx, record, True)
+        cancelled = True
+    return JSONResponse(events.body(shown_status(events, cancelled, time.time())))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, ctx: Context, team: Team) -> JSONResponse:
+    """Forget a stored response (one still running is cancelled first)."""
+    record, cancelled = await find(ctx, team, response_id)
+    events = await current(ctx, record, cancelled)
+    try:
+        if events.status in ("queued", "in_progress") and not cancelled:
+            await ctx.responses.cancel(record)
+            ctx.cancel_soon(record.request_id, "response deleted")
+        await ctx.responses.delete(record.request_id)
+    except RedisError as exc:
+        raise ServiceUnavailable("The response cannot be deleted now; retry shortly.") from exc
+    return JSONResponse({"id": record.response_id, "object": "response.deleted", "deleted": True})

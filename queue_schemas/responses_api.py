@@ -1,0 +1,295 @@
+"""`POST /v1/responses` as clients send it, what of it is served, and how it maps onto a chat request.
+
+A Responses request is translated into a ChatCompletionRequest (instructions become the system
+message, input items become messages, `text.format` becomes `response_format`, flat function tools
+become chat tools), so it travels the same admission, quota, placement and engine path. Pure.
+
+Served: text input (a string, or messages with text parts), `instructions`, function tools with
+`tool_choice`, earlier function calls and their outputs as input items, `text.format` (text, JSON object,
+JSON schema), `max_output_tokens`, `temperature`, `top_p`, `service_tier`, `metadata`, `store`,
+`background` and `stream`. Not served, each answered with a 400 naming it: `previous_response_id` and
+`conversation` (send the whole conversation as `input`), `prompt` templates, `reasoning`, `include`,
+`truncation: auto`, `top_logprobs`, `max_tool_calls`, built-in tools (web search, file search, ...), and
+image, file or audio input.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from queue_schemas.api_errors import InvalidRequest
+from queue_schemas.openai_types import (
+    FUNCTION_NAME,
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    JsonSchemaResponseFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    TextFormat,
+    Tool,
+    ToolCall,
+)
+
+# Fields of OpenAI's request that this server does not serve, with what to do instead. Sent with a
+# value other than null (or an empty list), each is a 400 naming it.
+NOT_SERVED: dict[str, str] = {
+    "previous_response_id": "Send the whole conversation as `input` instead.",
+    "conversation": "Send the whole conversation as `input` instead.",
+    "prompt": "Prompt templates are not stored here; send the text as `input`.",
+    "reasoning": "The served models have no reasoning settings.",
+    "include": "No extra output (such as logprobs or reasoning content) can be included.",
+    "top_logprobs": "Log probabilities are not returned.",
+    "max_tool_calls": "Built-in tools are not served, so there are no calls to limit.",
+    "context_management": "Context is not managed by the server; send what the model should see.",
+}
+NOT_SERVED_PARTS = {"input_image", "input_file", "input_audio"}
+MAX_METADATA_KEYS = 16
+
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(BaseModel):
+    """Text the model produced earlier (an assistant message of a previous response's output)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+ContentPart = Annotated[InputText | OutputText, Field(discriminator="type")]
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+    id: str | None = Field(default=None, max_length=128)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made in an earlier turn, sent back with its output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str
+    id: str | None = Field(default=None, max_length=128)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=128)
+    output: str
+    id: str | None = Field(default=None, max_length=128)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+
+
+class JsonSchemaTextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+TextFormatParam = Annotated[TextFormat | JsonObjectFormat | JsonSchemaTextFormat, Field(discriminator="type")]
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormatParam | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The body of `POST /v1/responses`. Unknown fields are refused (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    background: bool = False
+    store: bool = True
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    truncation: Literal["disabled"] | None = None
+    user: str | None = Field(default=None, max_length=256)
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=256)
+
+
+def check_served(raw: dict[str, Any]) -> None:
+    """A clear 400 for each part of OpenAI's API that is not served, before the body is parsed."""
+    for name, advice in NOT_SERVED.items():
+        value = raw.get(name)
+        if value is not None and value != []:
+            raise InvalidRequest(f"'{name}' is not supported by this server. {advice}", param=name)
+    if raw.get("truncation") == "auto":
+        raise InvalidRequest(
+            "truncation 'auto' is not supported: a prompt longer than the model's context is refused.",
+            param="truncation",
+        )
+    tools = raw.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind != "function":
+            raise InvalidRequest(f"Only function tools are served; '{kind}' is not.", param=f"tools.{i}.type")
+    items = raw.get("input")
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        content = item.get("content") if isinstance(item, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NOT_SERVED_PARTS:
+                raise InvalidRequest(
+                    f"Only text input is served; '{kind}' is not.", param=f"input.{i}.content.{j}.type"
+                )
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind not in ("message", "function_call", "function_call_output"):
+            raise InvalidRequest(
+                f"Input items of type '{kind}' are not served; send messages, function calls and their "
+                "outputs.",
+                param=f"input.{i}.type",
+            )
+    metadata = raw.get("metadata")
+    if isinstance(metadata, dict) and (
+        len(metadata) > MAX_METADATA_KEYS or any(len(str(k)) > 64 for k in metadata)
+    ):
+        raise InvalidRequest(
+            f"metadata holds at most {MAX_METADATA_KEYS} keys of at most 64 characters.", param="metadata"
+        )
+
+
+def messages_of(body: ResponsesRequest) -> list[ChatMessage]:
+    """The conversation as chat messages: instructions first (as the system message), then the input."""
+    out: list[ChatMessage] = []
+    if body.instructions:
+        out.append(ChatMessage(role="system", content=body.instructions))
+    if isinstance(body.input, str):
+        out.append(ChatMessage(role="user", content=body.input))
+        return out
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            out.append(ChatMessage(role=item.role, content=item.text()))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            if out and out[-1].role == "assistant" and out[-1].tool_calls:
+                out[-1] = out[-1].model_copy(update={"tool_calls": [*out[-1].tool_calls, call]})
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        else:
+            out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+    return out
+
+
+def _response_format(body: ResponsesRequest) -> ResponseFormat | None:
+    fmt = body.text.format if body.text is not None else None
+    if isinstance(fmt, JsonSchemaTextFormat):
+        schema = JsonSchemaFormat(
+            name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict
+        )
+        return JsonSchemaResponseFormat(type="json_schema", json_schema=schema)
+    return fmt
+
+
+def _tool_choice(body: ResponsesRequest) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
+    choice = body.tool_choice
+    if isinstance(choice, FunctionChoice):
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+    return choice
+
+
+def as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request the Responses request is served as (same model, sampling, tools and format)."""
+    messages = messages_of(body)
+    if not messages:
+        raise InvalidRequest("The input is empty.", param="input")
+    tools = [
+        Tool(
+            type="function",
+            function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+            ),
+        )
+        for t in body.tools or []
+    ]
+    return ChatCompletionRequest(
+        model=body.model,
+        messages=messages,
+        max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        response_format=_response_format(body),
+        tools=tools or None,
+        tool_choice=_tool_choice(body),
+        parallel_tool_calls=body.parallel_tool_calls,
+        service_tier=body.service_tier,
+        user=body.user,
+    )
+
+
+def parse_response_id(response_id: str) -> str | None:
+    """The request id inside a response id (`resp_<32 hex>`), or None when it is not one of ours."""
+    rid = response_id.removeprefix("resp_")
+    if rid == response_id or len(rid) != 32 or any(c not in "0123456789abcdef" for c in rid):
+        return None
+    return rid
