@@ -10,6 +10,7 @@ event a client saw (`starting_after`), through any ingress, until the record exp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -104,15 +105,21 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
             await ctx.release(inference.team, inference.request_id)
             raise ServiceUnavailable("Responses cannot be stored now; retry shortly.") from exc
     events = ResponseEvents(record)
-    if body.background and not body.stream:
-        try:
-            await ctx.publish(inference)
-        except BaseException:
-            await ctx.release(inference.team, inference.request_id)
-            raise
-        events.opening()
-        return JSONResponse(events.body(), headers=headers)
-    sub = await queue(ctx, inference)
+    try:
+        if body.background and not body.stream:
+            try:
+                await ctx.publish(inference)
+            except BaseException:
+                await ctx.release(inference.team, inference.request_id)
+                raise
+            events.opening()
+            return JSONResponse(events.body(), headers=headers)
+        sub = await queue(ctx, inference)
+    except BaseException:
+        if body.store:  # never queued: nothing will answer it
+            with contextlib.suppress(RedisError):
+                await ctx.responses.delete(inference.request_id)
+        raise
     ACTIVE_STREAMS.labels(pool.name).inc()
     if body.stream:
         stream = sse(ctx, sub, events, after=-1, pool=pool.name, cancel_on_leave=not body.background)
@@ -188,13 +195,27 @@ async def find(ctx: IngressContext, team: Team, response_id: str) -> tuple[Respo
     return found
 
 
-async def current(ctx: IngressContext, record: ResponseRecord, cancelled: bool) -> ResponseEvents:
+async def current(ctx: IngressContext, record: ResponseRecord) -> ResponseEvents:
     """The response as its log shows it now."""
     try:
         chunks = await ctx.read_log(record.request_id, 0)
     except RedisError as exc:
         raise ServiceUnavailable("Responses cannot be read now; retry shortly.") from exc
     return replayed(record, chunks)
+
+
+CANCEL_WAIT_S = 2.0
+
+
+async def ended_soon(ctx: IngressContext, record: ResponseRecord, within_s: float) -> ResponseEvents:
+    """The response once its log shows its end (a worker reports what a cancelled request used when
+    it stops), or as it is after `within_s`."""
+    give_up = time.monotonic() + within_s
+    while True:
+        events = await current(ctx, record)
+        if events.status not in ("queued", "in_progress") or time.monotonic() >= give_up:
+            return events
+        await asyncio.sleep(0.05)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -214,7 +235,7 @@ async def retrieve_response(
         raise InvalidRequest("starting_after is only allowed with stream=true.", param="starting_after")
     record, cancelled = await find(ctx, team, response_id)
     if not stream:
-        events = await current(ctx, record, cancelled)
+        events = await current(ctx, record)
         return JSONResponse(events.body(shown_status(events, cancelled, time.time())))
     try:
         sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(record.request_id))
@@ -242,14 +263,14 @@ async def cancel_response(response_id: str, ctx: Context, team: Team) -> JSONRes
     record, cancelled = await find(ctx, team, response_id)
     if not record.background:
         raise InvalidRequest("Only background responses can be cancelled.", param="response_id")
-    events = await current(ctx, record, cancelled)
+    events = await current(ctx, record)
     if events.status in ("queued", "in_progress"):
         try:
             await ctx.responses.cancel(record)
         except RedisError as exc:
             raise ServiceUnavailable("The response cannot be cancelled now; retry shortly.") from exc
         ctx.cancel_soon(record.request_id, "response cancelled")
-        events = await current(ctx, record, True)
+        events = await ended_soon(ctx, record, CANCEL_WAIT_S)
         cancelled = True
     return JSONResponse(events.body(shown_status(events, cancelled, time.time())))
 
@@ -258,7 +279,7 @@ async def cancel_response(response_id: str, ctx: Context, team: Team) -> JSONRes
 async def delete_response(response_id: str, ctx: Context, team: Team) -> JSONResponse:
     """Forget a stored response (one still running is cancelled first)."""
     record, cancelled = await find(ctx, team, response_id)
-    events = await current(ctx, record, cancelled)
+    events = await current(ctx, record)
     try:
         if events.status in ("queued", "in_progress") and not cancelled:
             await ctx.responses.cancel(record)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from queue_schemas.api_errors import InvalidRequest
 from queue_schemas.openai_types import (
@@ -112,7 +112,18 @@ class FunctionCallOutputItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+def _item_type(item: Any) -> str:
+    """An input item's type; a message may leave it out."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if isinstance(kind, str) else ""
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
 
 
 class FunctionTool(BaseModel):

@@ -78,7 +78,7 @@ def dev_stack(
     default = (Path(__file__).parents[2] / "queue_schemas" / "default_pools.toml").read_text()
     config = workdir / "pools.toml"
     config.write_text(default + EXTRA_POOLS.format(tokenizer=tiny_tokenizer))
-    stack = DevStack(workdir, config_path=config, extra_env=FAST_STATE, dispatchers=1)
+    stack = DevStack(workdir, config_path=config, extra_env=FAST_STATE, dispatchers=1, ingresses=2)
     endpoints = stack.start()
     try:
         yield stack, endpoints
