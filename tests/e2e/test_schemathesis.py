@@ -58,7 +58,8 @@ def test_no_server_errors(endpoints: Endpoints, mode: str) -> None:
     ops = operations(endpoints)
     assert {
         "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /v1/files",
-        "POST /v1/batches", "GET /v1/batches/{batch_id}",
+        "POST /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/responses",
+        "GET /v1/responses/{response_id}", "POST /v1/responses/{response_id}/cancel",
     } <= {op.label for op in ops}  # fmt: skip
     posts = [op for op in ops if op.method.upper() == "POST"]
     if mode == "positive":

@@ -147,8 +147,8 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
                 method, endpoints.url + path, headers={"Authorization": f"Bearer {key_b}"}, timeout=10
             )
             assert response.status_code in (404, 405), (method, path, response.status_code)
-    # The routes that do take an id are the files' and batches' (unguessable ids, kept per team): each
-    # answers another team 404 for a file and a batch of team A.
+    # The routes that do take an id are the files', batches' and responses' (unguessable ids, kept per
+    # team): each answers another team 404 for a file, a batch and a response of team A.
     client_a = openai_client(endpoints, key_a)
     body = {"model": "sluice-sim", "messages": [{"role": "user", "content": "later"}], "max_tokens": 2}
     line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": body}
@@ -156,7 +156,10 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
     batch = client_a.batches.create(
         input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    ids = {"file_id": upload.id, "batch_id": batch.id}
+    stored = client_a.responses.create(
+        model="sluice-slow", input="mine", background=True, max_output_tokens=5
+    )
+    ids = {"file_id": upload.id, "batch_id": batch.id, "response_id": stored.id}
     paths = httpx.get(endpoints.url + "/openapi.json", timeout=10).json()["paths"]
     with_id = {(method.upper(), path) for path, ops in paths.items() if "{" in path for method in ops}
     assert with_id == {
@@ -165,13 +168,24 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
         ("GET", "/v1/files/{file_id}/content"),
         ("GET", "/v1/batches/{batch_id}"),
         ("POST", "/v1/batches/{batch_id}/cancel"),
+        ("GET", "/v1/responses/{response_id}"),
+        ("DELETE", "/v1/responses/{response_id}"),
+        ("POST", "/v1/responses/{response_id}/cancel"),
     }
     for method, path in sorted(with_id):
         url = endpoints.url + path.format(**ids)
         response = httpx.request(method, url, headers={"Authorization": f"Bearer {key_b}"}, timeout=10)
         assert response.status_code == 404, (method, path, response.text)
         assert response.json()["error"]["code"] == "not_found"
+    stream = httpx.get(
+        endpoints.url + f"/v1/responses/{stored.id}",
+        params={"stream": "true", "starting_after": 0},
+        headers={"Authorization": f"Bearer {key_b}"},
+        timeout=10,
+    )
+    assert stream.status_code == 404, stream.text
     assert client_a.files.retrieve(upload.id).id == upload.id  # still there for its owner
+    assert client_a.responses.retrieve(stored.id).status != "cancelled"
 
     # A key limited to some pools does not see the others.
     client_b = openai_client(endpoints, key_b)

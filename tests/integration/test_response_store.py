@@ -1,0 +1,87 @@
+"""Stored responses against the real Redis-compatible server: a cancel of a request no worker has
+started ends its stream at once and keeps any worker from starting it; a cancel of a started one is
+left to its worker; the record and its log expire together."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gpu_workers.starting import BEGIN_SCRIPT, STARTED_MARK_TTL_MS, begin_keys
+from ingress.response_store import ResponseStore
+from queue_schemas.clients import redis_client
+from queue_schemas.codec import encode
+from queue_schemas.errors import ErrorCode
+from queue_schemas.messages import ErrorChunk, TokenChunk
+from queue_schemas.replay import read_log
+from queue_schemas.response_events import ResponseRecord
+from tests.conftest import Bus
+
+pytestmark = pytest.mark.timeout(60)
+
+KEEP_S = 3600
+
+
+def stored(rid: str) -> ResponseRecord:
+    now = time.time()
+    return ResponseRecord(
+        request_id=rid, team="t", model="m", created_at=now, deadline=now + 600, prompt_tokens=3,
+        background=True,
+    )  # fmt: skip
+
+
+async def test_a_cancel_before_the_start_ends_the_stream_and_no_worker_starts_it(bus: Bus) -> None:
+    settings = bus.settings()
+    names = settings.names
+    redis = redis_client(settings)
+    store = ResponseStore(redis, names, "PUBLISH", KEEP_S)
+    begin = redis.register_script(BEGIN_SCRIPT)
+    rid = "a1" * 16
+    record = stored(rid)
+    await store.save(record)
+    assert await store.load(rid) == (record, False)
+
+    assert await store.cancel(record) == "ended"
+    log = await read_log(redis, names, rid)
+    assert len(log) == 1
+    assert isinstance(log[0], ErrorChunk)
+    assert log[0].code == ErrorCode.CANCELLED
+    assert await store.load(rid) == (record, True)
+    # Record and log expire together: KEEP_S past the deadline.
+    record_ttl = await redis.pttl(names.response(rid))
+    log_ttl = await redis.pttl(names.replay(rid))
+    assert abs(record_ttl - log_ttl) < 2000
+    assert record_ttl > KEEP_S * 1000
+    # A worker that took the request meanwhile may not start it.
+    first = TokenChunk(request_id=rid, seq=0, text="x", num_tokens=1)
+    args: list[str | bytes | int] = [
+        "worker-1", STARTED_MARK_TTL_MS, "PUBLISH", encode(first), 0, 60_000,
+    ]  # fmt: skip
+    assert await begin(keys=begin_keys(names, rid), args=args) == b"cancelled"
+    assert len(await read_log(redis, names, rid)) == 1
+    await redis.aclose()
+
+
+async def test_a_cancel_of_a_started_request_is_left_to_its_worker(bus: Bus) -> None:
+    settings = bus.settings()
+    names = settings.names
+    redis = redis_client(settings)
+    store = ResponseStore(redis, names, "PUBLISH", KEEP_S)
+    begin = redis.register_script(BEGIN_SCRIPT)
+    rid = "b2" * 16
+    record = stored(rid)
+    await store.save(record)
+    first = TokenChunk(request_id=rid, seq=0, text="x", num_tokens=1)
+    args: list[str | bytes | int] = ["worker-1", STARTED_MARK_TTL_MS, "PUBLISH", encode(first), 0, 60_000]
+    assert await begin(keys=begin_keys(names, rid), args=args) == b"ok"
+
+    assert await store.cancel(record) == "running"
+    assert await read_log(redis, names, rid) == [first]  # the worker logs the end when it stops
+    assert await redis.exists(names.cancelled(rid)) == 1
+    assert await store.load(rid) == (record, True)
+
+    await store.delete(rid)
+    assert await store.load(rid) is None
+    assert await read_log(redis, names, rid) == []
+    await redis.aclose()
