@@ -29,7 +29,9 @@ from infra.launcher import slot_ranges
 from queue_schemas.names import Names
 from queue_schemas.quota import TeamLimits, utc_day
 from tests.cluster.conftest import with_cluster
+from tests.e2e.test_responses import expected_text, read_until, resume
 from tests.e2e.test_streaming_contract import chat_prompt_ids, sim_reply
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(300)  # above the dev stack's own start limit, which reports the logs
 
@@ -180,6 +182,48 @@ def test_kill_a_dispatcher_under_streams(cluster_stack: Stack) -> None:
         stack.resume("dispatcher-slow")
     assert_exact(results, 40)
     assert charged_today(endpoints, "survivor") == sum(r["usage"] for r in results)
+
+
+@pytest.mark.parametrize("cut", ["client", "ingress"])
+def test_a_background_stream_cut_mid_way_resumes_through_the_other_ingress(
+    cluster_stack: Stack, cut: str
+) -> None:
+    """A background response streamed through the second ingress is cut after a few events: the
+    client drops the connection, or the ingress process is killed under it. Its stream is read again
+    through the first ingress after the last event seen: nothing lost or repeated, and the text is an
+    uninterrupted run's."""
+    stack, endpoints = cluster_stack
+    key = fresh_key(endpoints, f"resume-{cut}")
+    near, far = (openai.OpenAI(base_url=u + "/v1", api_key=key, max_retries=0) for u in stack.ingress_urls)
+    question = f"Resume after the {cut} is gone."
+    stream = far.responses.create(
+        model="sluice-slow", input=question, background=True, max_output_tokens=60, stream=True
+    )
+    response_id, last, before = read_until(stream, 8)
+    if cut == "ingress":
+        stack.halt("ingress-2", kill=True)
+    stream.close()
+    try:
+        after, events = resume(near, response_id, last)
+    finally:
+        if cut == "ingress":
+            stack.resume("ingress-2")
+    assert [e.sequence_number for e in events] == list(range(last + 1, last + 1 + len(events)))
+    assert events[-1].type == "response.incomplete"
+    assert before + after == expected_text(question, 60)
+    assert near.responses.retrieve(response_id).output_text == before + after
+    assert events[-1].response.usage is not None
+    assert charged_today(endpoints, f"resume-{cut}") == events[-1].response.usage.total_tokens
+    if cut == "ingress":  # back, as a supervisor would restart it, and serving the same response
+        until(lambda: _healthy(stack.ingress_urls[1]), 120, "the restarted ingress")
+        assert far.responses.retrieve(response_id).output_text == before + after
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_failover_of_a_primary_under_open_streams(cluster_stack: Stack) -> None:
