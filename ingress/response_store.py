@@ -44,6 +44,14 @@ return 'running'
 """
 
 
+def cancel_keys(names: Names, request_id: str) -> list[str]:
+    """KEYS of CANCEL_SCRIPT."""
+    return [
+        names.response(request_id), names.cancelled(request_id), names.started(request_id),
+        names.replay(request_id), names.stream_channel(request_id),
+    ]  # fmt: skip
+
+
 class ResponseStore:
     def __init__(self, redis: aioredis.Redis, names: Names, publish_command: str, keep_s: int) -> None:
         self._redis = redis
@@ -72,14 +80,10 @@ class ResponseStore:
 
     async def cancel(self, record: ResponseRecord) -> str:
         rid = record.request_id
-        names = self._names
         chunk = ErrorChunk(
             request_id=rid, seq=0, code=ErrorCode.CANCELLED, message="the response was cancelled"
         )
-        keys = [
-            names.response(rid), names.cancelled(rid), names.started(rid), names.replay(rid),
-            names.stream_channel(rid),
-        ]  # fmt: skip
+        keys = cancel_keys(self._names, rid)
         args: list[str | bytes | int] = [
             CANCEL_MARK_TTL_MS,
             encode(chunk),

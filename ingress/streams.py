@@ -5,6 +5,9 @@ On a single Redis server the hub holds one connection. On a Redis Cluster, strea
 hub holds one connection per primary that owns a slot of an open stream, and routes each new
 subscription to its slot's owner.
 
+A channel may have several readers in one process (two clients reading one stored response's stream):
+they share one subscription, which is dropped when the last of them closes.
+
 A subscription is confirmed by Redis before `subscribe` returns, so a request is produced to Kafka only
 once its reply channel is live. If a connection drops, the subscriptions on it wait: the hub
 reconnects with backoff (on a cluster, after re-reading the slot map, so streams whose slots moved in a

@@ -13,6 +13,7 @@ from dispatcher.acts import PLACE_SCRIPT, place_keys
 from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
 from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
 from ingress.batch_keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
+from ingress.response_store import CANCEL_SCRIPT, cancel_keys
 from queue_schemas.messages import TokenChunk
 from queue_schemas.names import Names
 from queue_schemas.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
@@ -40,6 +41,7 @@ def script_keys(rid: str) -> dict[str, list[str]]:
         "MEMBERS_SCRIPT": [NAMES.dispatchers(rid)],
         "COLLECT_SCRIPT": collect_keys(NAMES, rid, "batch_0f"),
         "TRANSITION_SCRIPT": transition_keys(NAMES, rid, "batch_0f"),
+        "CANCEL_SCRIPT": cancel_keys(NAMES, rid),
         "LEASE_SCRIPT": [
             NAMES.partition_lease(rid).format(topic=t, partition=p)
             for t in (NAMES.requests_topic(rid), NAMES.batch_topic(rid))
@@ -69,7 +71,7 @@ def test_every_script_in_the_code_is_checked_here() -> None:
 
 SCRIPTS = [
     CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT,
-    COLLECT_SCRIPT, TRANSITION_SCRIPT,
+    COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT,
 ]  # fmt: skip
 
 
