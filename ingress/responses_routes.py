@@ -25,7 +25,16 @@ from sse_starlette import EventSourceResponse
 from ingress import relay
 from ingress.context import IngressContext
 from ingress.metrics import ACTIVE_STREAMS, REQUESTS
-from ingress.routes import Context, Team, admit, body_schema, prepare_chat, queue, read_json_body
+from ingress.routes import (
+    Context,
+    Team,
+    admit,
+    body_schema,
+    gathering,
+    prepare_chat,
+    queue,
+    read_json_body,
+)
 from ingress.streams import RESYNC, HubDisconnected, Subscription
 from queue_schemas.admission import parse_body
 from queue_schemas.api_errors import InvalidRequest, NotFound, ServiceUnavailable, from_bus_error
@@ -124,24 +133,13 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
     if body.stream:
         stream = sse(ctx, sub, events, after=-1, pool=pool.name, cancel_on_leave=not body.background)
         return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
-    try:
+    async with gathering(ctx, sub, inference):
         events.opening()
         async for chunk in relay.events(sub, record, ctx.read_log):
             if isinstance(chunk, ErrorChunk):
                 raise from_bus_error(chunk.code, chunk.message)
             events.feed(chunk)
-        REQUESTS.labels(pool.name, "ok").inc()
-        return JSONResponse(events.body(), headers=headers)
-    except asyncio.CancelledError:
-        ctx.cancel_soon(inference.request_id, "client disconnected")
-        REQUESTS.labels(pool.name, "cancelled").inc()
-        raise
-    except Exception:
-        REQUESTS.labels(pool.name, "error").inc()
-        raise
-    finally:
-        ACTIVE_STREAMS.labels(pool.name).dec()
-        await sub.close()
+    return JSONResponse(events.body(), headers=headers)
 
 
 async def sse(

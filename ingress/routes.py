@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -272,19 +273,30 @@ async def serve(
     if body.stream:
         stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))
         return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
-    try:
+    async with gathering(ctx, sub, inference):
         result = await relay.collect(sub, inference, ctx.read_log, shape, plan.tool)
-        REQUESTS.labels(pool.name, "ok").inc()
-        return JSONResponse(result, headers=headers)
+    return JSONResponse(result, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def gathering(
+    ctx: IngressContext, sub: Subscription, inference: InferenceRequest
+) -> AsyncIterator[None]:
+    """A whole (non-streamed) answer being gathered: counted by outcome, cancelled if its client leaves
+    first, and its subscription closed either way."""
+    pool = inference.pool
+    try:
+        yield
+        REQUESTS.labels(pool, "ok").inc()
     except asyncio.CancelledError:
         ctx.cancel_soon(inference.request_id, "client disconnected")
-        REQUESTS.labels(pool.name, "cancelled").inc()
+        REQUESTS.labels(pool, "cancelled").inc()
         raise
     except Exception:
-        REQUESTS.labels(pool.name, "error").inc()
+        REQUESTS.labels(pool, "error").inc()
         raise
     finally:
-        ACTIVE_STREAMS.labels(pool.name).dec()
+        ACTIVE_STREAMS.labels(pool).dec()
         await sub.close()
 
 

@@ -5,8 +5,11 @@ left to its worker; the record and its log expire together."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
+import redis.asyncio as aioredis
 
 from gpu_workers.starting import BEGIN_SCRIPT, STARTED_MARK_TTL_MS, begin_keys
 from ingress.response_store import ResponseStore
@@ -14,6 +17,7 @@ from queue_schemas.clients import redis_client
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, TokenChunk
+from queue_schemas.names import Names
 from queue_schemas.replay import read_log
 from queue_schemas.response_events import ResponseRecord
 from tests.conftest import Bus
@@ -23,23 +27,42 @@ pytestmark = pytest.mark.timeout(60)
 KEEP_S = 3600
 
 
-def stored(rid: str) -> ResponseRecord:
-    now = time.time()
-    return ResponseRecord(
-        request_id=rid, team="t", model="m", created_at=now, deadline=now + 600, prompt_tokens=3,
-        background=True,
-    )  # fmt: skip
+@dataclass
+class Store:
+    redis: aioredis.Redis
+    names: Names
+    store: ResponseStore
+
+    async def saved(self, rid: str) -> ResponseRecord:
+        now = time.time()
+        record = ResponseRecord(
+            request_id=rid, team="t", model="m", created_at=now, deadline=now + 600, prompt_tokens=3,
+            background=True,
+        )  # fmt: skip
+        await self.store.save(record)
+        return record
+
+    async def start(self, rid: str) -> tuple[str, TokenChunk]:
+        """A worker's start of the request with its first chunk (gpu_workers' BEGIN_SCRIPT)."""
+        first = TokenChunk(request_id=rid, seq=0, text="x", num_tokens=1)
+        args: list[str | bytes | int] = ["worker-1", STARTED_MARK_TTL_MS, "PUBLISH", encode(first), 0, 60_000]
+        begin = self.redis.register_script(BEGIN_SCRIPT)
+        outcome = await begin(keys=begin_keys(self.names, rid), args=args)
+        return outcome.decode() if isinstance(outcome, bytes) else str(outcome), first
 
 
-async def test_a_cancel_before_the_start_ends_the_stream_and_no_worker_starts_it(bus: Bus) -> None:
+@pytest.fixture
+async def responses(bus: Bus) -> AsyncIterator[Store]:
     settings = bus.settings()
-    names = settings.names
     redis = redis_client(settings)
-    store = ResponseStore(redis, names, "PUBLISH", KEEP_S)
-    begin = redis.register_script(BEGIN_SCRIPT)
+    yield Store(redis, settings.names, ResponseStore(redis, settings.names, "PUBLISH", KEEP_S))
+    await redis.aclose()
+
+
+async def test_a_cancel_before_the_start_ends_the_stream_and_no_worker_starts_it(responses: Store) -> None:
+    redis, names, store = responses.redis, responses.names, responses.store
     rid = "a1" * 16
-    record = stored(rid)
-    await store.save(record)
+    record = await responses.saved(rid)
     assert await store.load(rid) == (record, False)
 
     assert await store.cancel(record) == "ended"
@@ -54,27 +77,16 @@ async def test_a_cancel_before_the_start_ends_the_stream_and_no_worker_starts_it
     assert abs(record_ttl - log_ttl) < 2000
     assert record_ttl > KEEP_S * 1000
     # A worker that took the request meanwhile may not start it.
-    first = TokenChunk(request_id=rid, seq=0, text="x", num_tokens=1)
-    args: list[str | bytes | int] = [
-        "worker-1", STARTED_MARK_TTL_MS, "PUBLISH", encode(first), 0, 60_000,
-    ]  # fmt: skip
-    assert await begin(keys=begin_keys(names, rid), args=args) == b"cancelled"
+    assert (await responses.start(rid))[0] == "cancelled"
     assert len(await read_log(redis, names, rid)) == 1
-    await redis.aclose()
 
 
-async def test_a_cancel_of_a_started_request_is_left_to_its_worker(bus: Bus) -> None:
-    settings = bus.settings()
-    names = settings.names
-    redis = redis_client(settings)
-    store = ResponseStore(redis, names, "PUBLISH", KEEP_S)
-    begin = redis.register_script(BEGIN_SCRIPT)
+async def test_a_cancel_of_a_started_request_is_left_to_its_worker(responses: Store) -> None:
+    redis, names, store = responses.redis, responses.names, responses.store
     rid = "b2" * 16
-    record = stored(rid)
-    await store.save(record)
-    first = TokenChunk(request_id=rid, seq=0, text="x", num_tokens=1)
-    args: list[str | bytes | int] = ["worker-1", STARTED_MARK_TTL_MS, "PUBLISH", encode(first), 0, 60_000]
-    assert await begin(keys=begin_keys(names, rid), args=args) == b"ok"
+    record = await responses.saved(rid)
+    outcome, first = await responses.start(rid)
+    assert outcome == "ok"
 
     assert await store.cancel(record) == "running"
     assert await read_log(redis, names, rid) == [first]  # the worker logs the end when it stops
@@ -84,4 +96,3 @@ async def test_a_cancel_of_a_started_request_is_left_to_its_worker(bus: Bus) -> 
     await store.delete(rid)
     assert await store.load(rid) is None
     assert await read_log(redis, names, rid) == []
-    await redis.aclose()
