@@ -152,9 +152,10 @@ async def sse(
     cancel_on_leave: bool,
 ) -> AsyncIterator[dict[str, str]]:
     """A response's events after sequence number `after`. A foreground response whose client leaves
-    first is cancelled; a background one runs on, and its stream can be read again."""
+    first is cancelled; a background one runs on, and its stream can be read again. Only a foreground
+    stream's outcome is counted: a background response does not end with its stream."""
     record = events.record
-    outcome = "cancelled" if cancel_on_leave else "left"
+    outcome = "cancelled"
     try:
         for event in unseen(events.opening(), after):
             yield _sse(event)
@@ -166,9 +167,10 @@ async def sse(
             elif events.status not in ("queued", "in_progress"):
                 outcome = "ok"
     finally:
-        if outcome == "cancelled":
-            ctx.cancel_soon(record.request_id, "client disconnected")
-        REQUESTS.labels(pool, outcome).inc()
+        if cancel_on_leave:
+            if outcome == "cancelled":
+                ctx.cancel_soon(record.request_id, "client disconnected")
+            REQUESTS.labels(pool, outcome).inc()
         ACTIVE_STREAMS.labels(pool).dec()
         await sub.close()
 

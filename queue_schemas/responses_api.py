@@ -38,7 +38,7 @@ from queue_schemas.openai_types import (
 )
 
 # Fields of OpenAI's request that this server does not serve, with what to do instead. Sent with a
-# value other than null (or an empty list), each is a 400 naming it.
+# value other than null (or an empty list or object, or 0), each is a 400 naming it.
 NOT_SERVED: dict[str, str] = {
     "previous_response_id": "Send the whole conversation as `input` instead.",
     "conversation": "Send the whole conversation as `input` instead.",
@@ -163,6 +163,12 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_obfuscation: bool | None = Field(default=None, description="accepted; no padding is sent")
+
+
 class ResponsesRequest(BaseModel):
     """The body of `POST /v1/responses`. Unknown fields are refused (400 naming the field)."""
 
@@ -175,6 +181,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     background: bool = False
     store: bool = True
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
@@ -193,7 +200,7 @@ def check_served(raw: dict[str, Any]) -> None:
     """A clear 400 for each part of OpenAI's API that is not served, before the body is parsed."""
     for name, advice in NOT_SERVED.items():
         value = raw.get(name)
-        if value is not None and value != []:
+        if value not in (None, [], {}, 0):  # sent empty, it asks for nothing
             raise InvalidRequest(f"'{name}' is not supported by this server. {advice}", param=name)
     if raw.get("truncation") == "auto":
         raise InvalidRequest(

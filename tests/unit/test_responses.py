@@ -206,7 +206,9 @@ def test_each_part_not_served_is_a_400_naming_it(name: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         check_served({"model": "m", "input": "x", name: {"any": "value"}})
     assert err.value.param == name
-    check_served({"model": "m", "input": "x", name: None})  # null is the same as leaving it out
+    empties: list[Any] = [None, [], {}, 0]
+    for empty in empties:  # the same as leaving it out
+        check_served({"model": "m", "input": "x", name: empty})
 
 
 def test_built_in_tools_and_non_text_input_are_refused_by_name() -> None:
