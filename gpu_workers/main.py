@@ -23,7 +23,7 @@ def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:
         return SimulatedEngine(config, pool.block_size, pool.max_loras)
     from gpu_workers.vllm_engine import VllmEngine
 
-    return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding)
+    return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding, settings.role)
 
 
 async def serve(settings: WorkerSettings) -> int:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from queue_schemas.config import KvRole
 from queue_schemas.settings import BusSettings
 
 
@@ -35,6 +36,10 @@ class WorkerSettings(BusSettings):
         default=30.0, gt=0, description="how long a stream waits for Redis to come back before it ends"
     )
     spec_decoding: bool = Field(default=False, description="start the engine with speculative decoding")
+    role: KvRole = Field(
+        default="both",
+        description="with the pool's KV connector: prefill (saves KV), decode (loads it) or both",
+    )
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
     state_file: Path | None = Field(
         default=None, description="file the worker keeps its state in (ready, draining...) for probes"

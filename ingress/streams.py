@@ -179,6 +179,12 @@ class StreamHub:
                 confirmed.set_exception(HubDisconnected(f"could not subscribe: {exc}"))
                 confirmed.exception()
             raise HubDisconnected(f"could not subscribe: {exc}") from exc
+        except BaseException:  # abandoned (its handler was cancelled): readers that joined fail too
+            self._forget(key)
+            if not confirmed.done():
+                confirmed.set_exception(HubDisconnected("the subscription was abandoned"))
+                confirmed.exception()
+            raise
         finally:
             self._confirm.pop(key, None)
         return sub

@@ -63,6 +63,27 @@ class SimulatedEngineConfig(BaseModel):
         return self
 
 
+KvRole = Literal["both", "prefill", "decode"]
+KV_CONNECTOR_ROLES: dict[str, str] = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+class KvConnectorConfig(BaseModel):
+    """vLLM's KV connector, through which one engine's prefill reaches another engine's decode.
+
+    `ExampleConnector` (vLLM's shared-storage connector: one file per layer under a folder named by the
+    prompt's hash) runs on CPU and is what the dev stack and the tests use; GPU deployments name another
+    connector of vLLM's (NixlConnector, LMCacheConnectorV1, MooncakeConnector) with its own settings.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connector: str = Field(default="ExampleConnector", min_length=1, max_length=64)
+    extra: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="the connector's own settings (kv_connector_extra_config), e.g. shared_storage_path",
+    )
+
+
 class VllmEngineConfig(BaseModel):
     """How a worker starts vLLM for the pool. The pool's block_size must equal vLLM's (128 on CPU)."""
 
@@ -89,6 +110,9 @@ class VllmEngineConfig(BaseModel):
     ngram_tokens: int = Field(default=3, gt=0, description="tokens proposed per step by ngram speculation")
     draft_model: str | None = Field(
         default=None, description="a draft model folder for speculation instead of ngram (GPU pools)"
+    )
+    kv_connector: KvConnectorConfig | None = Field(
+        default=None, description="a KV connector, for prefill on one worker and decode on another"
     )
 
 

@@ -21,8 +21,10 @@ def test_every_metrics_endpoint_passes_promtool(dev_stack: tuple[DevStack, Endpo
         model="sluice-sim", messages=[{"role": "user", "content": "hello"}], max_tokens=3
     )
     assert done.choices[0].message.content
-    # Ingress and the scaler, and each pool's dispatchers.
-    assert len(stack.metrics_urls) == 2 + stack.dispatchers * len(stack.config.pools)
+    # Each ingress, the scaler, and each pool's dispatchers.
+    assert len(stack.metrics_urls) == len(stack.ingress_urls) + 1 + stack.dispatchers * len(
+        stack.config.pools
+    )
     for url in stack.metrics_urls:
         exposition = httpx.get(url, timeout=10).text
         assert "# TYPE" in exposition, url
