@@ -1,5 +1,6 @@
 """The whole path on a Redis Cluster: streamed chats through two ingresses, quotas, a signed batch, a
-dispatcher killed under load, and a primary that fails over under open streams.
+background response's stream resumed through the other ingress (after its client, or its ingress, was
+cut), a dispatcher killed under load, and a primary that fails over under open streams.
 
 The failover test runs last: it leaves the cluster with one primary promoted from its replica.
 """
@@ -164,26 +165,6 @@ def test_signed_batch_on_the_cluster(cluster_stack: Stack, tmp_path: Path) -> No
         assert content == sim_reply(chat_prompt_ids(messages(n)), 16)
 
 
-def test_kill_a_dispatcher_under_streams(cluster_stack: Stack) -> None:
-    """Streams over both ingresses while one of the pool's two dispatchers is killed: every stream ends
-    once, with exactly its answer, and the team is charged once per request."""
-    stack, endpoints = cluster_stack
-    key = fresh_key(endpoints, "survivor")
-
-    async def go() -> list[dict[str, Any]]:
-        load = asyncio.create_task(stream_many(stack, key, "sluice-slow", 40, 40, spacing_s=0.05))
-        await asyncio.sleep(0.8)
-        stack.halt("dispatcher-slow", kill=True)
-        return await load
-
-    try:
-        results = asyncio.run(go())
-    finally:
-        stack.resume("dispatcher-slow")
-    assert_exact(results, 40)
-    assert charged_today(endpoints, "survivor") == sum(r["usage"] for r in results)
-
-
 @pytest.mark.parametrize("cut", ["client", "ingress"])
 def test_a_background_stream_cut_mid_way_resumes_through_the_other_ingress(
     cluster_stack: Stack, cut: str
@@ -224,6 +205,26 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/healthz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_kill_a_dispatcher_under_streams(cluster_stack: Stack) -> None:
+    """Streams over both ingresses while one of the pool's two dispatchers is killed: every stream ends
+    once, with exactly its answer, and the team is charged once per request."""
+    stack, endpoints = cluster_stack
+    key = fresh_key(endpoints, "survivor")
+
+    async def go() -> list[dict[str, Any]]:
+        load = asyncio.create_task(stream_many(stack, key, "sluice-slow", 40, 40, spacing_s=0.05))
+        await asyncio.sleep(0.8)
+        stack.halt("dispatcher-slow", kill=True)
+        return await load
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        stack.resume("dispatcher-slow")
+    assert_exact(results, 40)
+    assert charged_today(endpoints, "survivor") == sum(r["usage"] for r in results)
 
 
 def test_failover_of_a_primary_under_open_streams(cluster_stack: Stack) -> None:
