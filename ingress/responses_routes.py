@@ -72,6 +72,7 @@ def echo_fields(body: ResponsesRequest) -> dict[str, Any]:
         else choice or "auto",
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         "text": {"format": {"type": "text"}, **text},
+        "store": body.store,
     }
 
 

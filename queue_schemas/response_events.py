@@ -253,7 +253,7 @@ class ResponseEvents:
             "output": output,
             "parallel_tool_calls": rec.echo.get("parallel_tool_calls", True),
             "previous_response_id": None,
-            "store": True,
+            "store": rec.echo.get("store", True),
             "tool_choice": rec.echo.get("tool_choice", "auto"),
             "tools": rec.echo.get("tools", []),
             "text": rec.echo.get("text", {"format": {"type": "text"}}),

@@ -305,6 +305,7 @@ def test_unknown_and_unstored_responses_are_404(endpoints: Endpoints) -> None:
         model="sluice-sim", input="forget me", store=False, max_output_tokens=5
     )
     assert unstored.output_text
+    assert unstored.to_dict()["store"] is False
     for response_id in (unstored.id, "resp_" + "0" * 32, "not-an-id"):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(response_id)
