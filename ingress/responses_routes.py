@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import orjson
-import structlog
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
@@ -42,7 +41,6 @@ from queue_schemas.messages import ErrorChunk, InferenceRequest
 from queue_schemas.response_events import (
     ResponseEvents,
     ResponseRecord,
-    ToolPlan,
     replayed,
     shown_status,
     unseen,
@@ -50,7 +48,6 @@ from queue_schemas.response_events import (
 from queue_schemas.responses_api import ResponsesRequest, as_chat, check_served, parse_response_id
 from queue_schemas.structured import OutputPlan
 
-log = structlog.get_logger("sluice.ingress.responses")
 router = APIRouter()
 
 
@@ -79,7 +76,6 @@ def echo_fields(body: ResponsesRequest) -> dict[str, Any]:
 def record_of(
     body: ResponsesRequest, inference: InferenceRequest, model: str, plan: OutputPlan
 ) -> ResponseRecord:
-    tool = plan.tool
     return ResponseRecord(
         request_id=inference.request_id,
         team=inference.team,
@@ -88,7 +84,7 @@ def record_of(
         deadline=inference.deadline,
         prompt_tokens=inference.client_prompt_tokens,
         background=body.background,
-        tool=None if tool is None else ToolPlan(call_id=tool.call_id, name=tool.name, auto=tool.auto),
+        tool=plan.tool,
         echo=echo_fields(body),
     )
 
@@ -96,8 +92,6 @@ def record_of(
 @router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
 async def create_response(request: Request, ctx: Context, team: Team) -> Response:
     raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
-    if not isinstance(raw, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
     check_served(raw)
     body = parse_body(ResponsesRequest, raw)
     if body.background and not body.store:

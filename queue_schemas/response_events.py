@@ -29,17 +29,6 @@ Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "
 TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed"}
 
 
-class ToolPlan(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    call_id: str
-    name: str | None
-    auto: bool = False
-
-    def plan(self) -> ToolCallPlan:
-        return ToolCallPlan(self.call_id, self.name, self.auto)
-
-
 class ResponseRecord(BaseModel):
     """What is kept of a response besides its request's chunks: who owns it, and what it echoes back."""
 
@@ -52,7 +41,7 @@ class ResponseRecord(BaseModel):
     deadline: float
     prompt_tokens: int = Field(ge=0)
     background: bool = False
-    tool: ToolPlan | None = None
+    tool: ToolCallPlan | None = Field(default=None, description="how a tool call is shaped back")
     echo: dict[str, Any] = Field(
         default_factory=dict,
         description="request fields the response object repeats: instructions, tools, text, metadata...",
@@ -134,7 +123,7 @@ class ResponseEvents:
         self._text.append(text)
         return [*out, self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
 
-    def _arguments_delta(self, tool: ToolPlan, text: str) -> list[dict[str, Any]]:
+    def _arguments_delta(self, tool: ToolCallPlan, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
         assert tool.name is not None
@@ -195,7 +184,7 @@ class ResponseEvents:
         tool = self.record.tool
         if tool is not None and tool.name is None:
             text = "".join(self._text)
-            call = parse_tool_call(text, tool.plan())
+            call = parse_tool_call(text, tool)
             self._text = []
             if isinstance(call, tuple):
                 out += self._open_call(tool.call_id, call[0])

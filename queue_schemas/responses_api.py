@@ -196,8 +196,11 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = Field(default=None, max_length=256)
 
 
-def check_served(raw: dict[str, Any]) -> None:
-    """A clear 400 for each part of OpenAI's API that is not served, before the body is parsed."""
+def check_served(raw: Any) -> None:
+    """A clear 400 for each part of OpenAI's API that is not served, before the body is parsed (a body
+    that is not an object is left to the parser's own error)."""
+    if not isinstance(raw, dict):
+        return
     for name, advice in NOT_SERVED.items():
         value = raw.get(name)
         if value not in (None, [], {}, 0):  # sent empty, it asks for nothing

@@ -16,7 +16,6 @@ from queue_schemas.replay import LOG_AFTER_END_MS, log_ttl_ms
 from queue_schemas.response_events import (
     ResponseEvents,
     ResponseRecord,
-    ToolPlan,
     replayed,
     shown_status,
     unseen,
@@ -28,6 +27,7 @@ from queue_schemas.responses_api import (
     check_served,
     parse_response_id,
 )
+from queue_schemas.structured import ToolCallPlan
 
 RID = "ab" * 16
 
@@ -137,7 +137,7 @@ def test_an_error_chunk_ends_it_with_what_was_used(code: str, status: str) -> No
 
 
 def test_a_named_function_streams_its_arguments() -> None:
-    rec = record(tool=ToolPlan(call_id="call_1", name="f"))
+    rec = record(tool=ToolCallPlan("call_1", "f"))
     events = all_events(rec, tokens('{"a"', ": 1}"))
     kinds = [e["type"] for e in events]
     assert kinds.count("response.function_call_arguments.delta") == 2
@@ -149,7 +149,7 @@ def test_a_named_function_streams_its_arguments() -> None:
 
 
 def test_a_picked_function_or_a_plain_answer_is_known_at_the_end() -> None:
-    rec = record(tool=ToolPlan(call_id="call_1", name=None, auto=True))
+    rec = record(tool=ToolCallPlan("call_1", None, auto=True))
     call = json.dumps({"name": "g", "arguments": {"x": 2}})
     events = all_events(rec, tokens(call[:5], call[5:]))
     item = events[-1]["response"]["output"][0]
