@@ -230,10 +230,8 @@ async def admit(
     inference = admission.build_request(
         body, pool, team.key.team, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
-        key_id=team.key.key_id,
+        key_id=team.key.key_id, keep_log_s=keep_log_s,
     )  # fmt: skip
-    if keep_log_s:
-        inference = inference.model_copy(update={"keep_log_s": keep_log_s})
     try:
         await ctx.pool_gate.check(pool)
         hold_s = inference.deadline - inference.created_at + 60

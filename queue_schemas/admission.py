@@ -56,6 +56,7 @@ def build_request(
     timeout_s: float,
     structured: StructuredOutput | None = None,
     key_id: str | None = None,
+    keep_log_s: int = 0,
 ) -> InferenceRequest:
     max_tokens = completion_tokens_allowed(body, pool, len(prompt_token_ids))
     sampling = SamplingParams(
@@ -85,6 +86,7 @@ def build_request(
         created_at=now,
         start_by=now + min(pool.queue_timeout_s, timeout_s),
         deadline=now + timeout_s,
+        keep_log_s=keep_log_s,
     )
 
 
