@@ -49,3 +49,8 @@ MIGRATIONS = Counter(
     "worker_lost)",
     ["pool", "outcome"],
 )
+SPLITS = Counter(
+    "sluice_dispatcher_split_decisions_total",
+    "Placements of a pool with prefill workers: prefill on a prefill worker (split) or where it decodes",
+    ["pool", "decision", "reason"],
+)

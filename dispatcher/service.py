@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import os
 import random
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -30,6 +31,7 @@ from redis.exceptions import RedisError
 from dispatcher import metrics
 from dispatcher.acts import Acts
 from dispatcher.batch_desk import BatchDesk, Refusal, Reserve
+from dispatcher.disagg import choose_prefill, decide_split, split_case
 from dispatcher.hold import Held, Hold, team_weights
 from dispatcher.in_flight import InFlight
 from dispatcher.leases import LeasedPartitions, Leases
@@ -44,7 +46,15 @@ from queue_schemas.answers import AnswerSink
 from queue_schemas.clients import BusUnavailable, mget_any
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.messages import CancelNotice, ErrorChunk, Heartbeat, InferenceRequest, Priority, Usage
+from queue_schemas.messages import (
+    CancelNotice,
+    ErrorChunk,
+    Handoff,
+    Heartbeat,
+    InferenceRequest,
+    Priority,
+    Usage,
+)
 from queue_schemas.quota import settle
 from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
 from queue_schemas.state import follow_channel
@@ -80,6 +90,7 @@ class Dispatcher:
         pool_config = settings.load_pools().pool(settings.pool)
         self.block_size = pool_config.block_size
         self.max_migrations = pool_config.max_migrations
+        self.disaggregation = pool_config.disaggregation if pool_config.splits else None
         self._log_chunk = redis.register_script(CHUNK_SCRIPT)
         self._redis_failed_at = float("-inf")  # monotonic; lost workers are not recovered right after
         self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self.acts.dead_letter)
@@ -214,6 +225,8 @@ class Dispatcher:
                 await self.acts.dead_letter(record, str(exc))
             self.offsets.closed((record.topic, record.partition), record.offset)
             return
+        if request.handoff is not None:  # only the placing dispatcher may ask for one
+            request = request.model_copy(update={"handoff": None})
         source = (record.topic, record.partition)
         held = Held(request, source, record.offset, time.monotonic())
         if not self.hold.add(held):
@@ -269,9 +282,14 @@ class Dispatcher:
         else:
             snapshot = self.view.snapshot(request.block_hashes)
             decision = choose_least_loaded(snapshot, demand, time.time(), self.policy, self.rng)
+        handoff = None
+        if decision.worker_id is not None and self.disaggregation is not None:
+            handoff = self._handoff(request, decision.worker_id, decision.matched_blocks)
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
         if decision.worker_id is None:
             return False
+        if handoff is not request.handoff:
+            held.request = request = request.model_copy(update={"handoff": handoff})
         reserved = await self.batch.reserve(held)
         if isinstance(reserved, Refusal):
             self._answer_soon(held, reserved.send)
@@ -291,6 +309,10 @@ class Dispatcher:
             self.hold.charge(request.team, held.cost)
             metrics.TEAM_PLACED_TOKENS.labels(self.pool, request.team).inc(held.cost)
             self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
+            if request.handoff is not None:
+                self.view.record_prefill(
+                    request.handoff.prefill_worker, len(request.prompt_token_ids), request.block_hashes
+                )
             metrics.PLACEMENTS.labels(self.pool).inc()
             metrics.QUEUED_SECONDS.labels(self.pool).observe(time.monotonic() - held.arrived)
             metrics.PREFIX_BLOCKS.labels(self.pool, "prompt").inc(len(request.block_hashes))
@@ -306,6 +328,27 @@ class Dispatcher:
                 return True
         self._finish(held)
         return True
+
+    def _handoff(self, request: InferenceRequest, decode_worker: str, matched_blocks: int) -> Handoff | None:
+        """A handoff to the best prefill worker when the split decision says so (dispatcher.disagg).
+        A moved request (its prompt holds delivered output) and a batch request prefill where they
+        decode."""
+        config = self.disaggregation
+        decode = self.view.heartbeats.get(decode_worker)
+        if config is None or decode is None or request.resume is not None or request.batch is not None:
+            return None
+        prompt = len(request.prompt_token_ids)
+        sides = self.view.prefill_sides(request.block_hashes)
+        side = choose_prefill(sides, prompt, time.time(), config, self.rng)
+        if side is None:
+            metrics.SPLITS.labels(self.pool, "local", "no prefill worker ready").inc()
+            return None
+        case = split_case(prompt, decode, matched_blocks * self.block_size, side, config)
+        verdict = decide_split(case, config)
+        metrics.SPLITS.labels(self.pool, "split" if verdict.split else "local", verdict.reason).inc()
+        if not verdict.split:
+            return None
+        return Handoff(id=secrets.token_hex(16), prefill_worker=side.worker_id, wait_s=config.handoff_wait_s)
 
     async def _prepare_move(self, held: Held) -> int | None:
         """Ready a request taken over from a lost worker for placement, from what its replay log shows

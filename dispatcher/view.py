@@ -12,6 +12,7 @@ import numpy as np
 import redis.asyncio as aioredis
 import structlog
 
+from dispatcher.disagg import PrefillSide
 from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
 from dispatcher.table import Floats, WorkerTable, choose_fast
@@ -60,6 +61,9 @@ class WorkerView:
         # What was placed before this heartbeat is in its counts now; only later placements are in flight.
         placed = self._placed[hb.worker_id]
         placed[:] = [(t, b) for t, b in placed if t > hb.sent_at]
+        if hb.role == "prefill":  # runs prefill jobs only: never a request's placement
+            self.table.remove(hb.worker_id)
+            return
         self.table.upsert(hb, len(placed), sum(b for _, b in placed))
 
     def forget(self, worker_id: str) -> None:
@@ -73,8 +77,11 @@ class WorkerView:
 
     # placement inputs
     def snapshot(self, block_hashes: Sequence[str]) -> list[WorkerSnapshot]:
+        """The workers a request may be placed on (prefill-only workers are not among them)."""
         out = []
         for worker_id, hb in self.heartbeats.items():
+            if hb.role == "prefill":
+                continue
             placed = self._placed[worker_id]
             out.append(
                 WorkerSnapshot(
@@ -85,6 +92,26 @@ class WorkerView:
                 )
             )
         return out
+
+    def prefill_sides(self, block_hashes: Sequence[str]) -> list[PrefillSide]:
+        """The pool's prefill workers, with the prompt tokens sent to each since its heartbeat and how
+        much of this prompt each holds."""
+        out = []
+        for worker_id, hb in self.heartbeats.items():
+            if hb.role != "prefill":
+                continue
+            sent = sum(b for t, b in self._placed[worker_id] if t > hb.sent_at)
+            matched = self.matched(worker_id, block_hashes) * hb.block_size
+            out.append(PrefillSide(hb, sent, matched))
+        return out
+
+    def record_prefill(self, worker_id: str, tokens: int, block_hashes: Sequence[str]) -> None:
+        """Count a prefill job's tokens at its worker until the next heartbeat; it now holds the prefix."""
+        self._placed[worker_id].append((time.time(), tokens))
+        hb = self.heartbeats.get(worker_id)
+        if worker_id not in self.approximate:
+            self.approximate[worker_id] = ApproximateIndex(hb.kv_blocks_total if hb else 1024)
+        self.approximate[worker_id].record(block_hashes)
 
     def matched(self, worker_id: str, block_hashes: Sequence[str]) -> int:
         hb = self.heartbeats.get(worker_id)

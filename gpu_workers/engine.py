@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpu_workers.handoff import KvTransfer
 from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
 
 KvChange = tuple[KvEventKind, tuple[str, ...]]
@@ -48,8 +49,11 @@ class Engine(Protocol):
         """Load the model; returns when the engine can take requests."""
         ...
 
-    def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
-        """Stream outputs for one request. Closing the iterator early aborts the request."""
+    def generate(
+        self, request: InferenceRequest, kv: KvTransfer | None = None
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream outputs for one request. Closing the iterator early aborts the request. `kv`: its part
+        in a prefill/decode handoff (save the prompt's KV, or load it)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

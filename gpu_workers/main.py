@@ -7,8 +7,10 @@ import signal
 
 import uvloop
 from prometheus_client import start_http_server
+from redis.asyncio import Redis
 
 from gpu_workers.engine import Engine
+from gpu_workers.prefill import HandoffDesk
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
@@ -26,6 +28,19 @@ def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:
     return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding, settings.role)
 
 
+def handoff_desk(
+    pool: PoolConfig, settings: WorkerSettings, engine: Engine, redis: Redis
+) -> HandoffDesk | None:
+    """The worker's side of prefill/decode handoffs, in a pool that splits requests."""
+    if not pool.splits or pool.disaggregation is None:
+        return None
+    storage = pool.vllm.handoff_storage if pool.vllm is not None and pool.engine == "vllm" else None
+    return HandoffDesk(
+        redis, settings.names, engine, settings.worker_id, pool.name, pool.block_size, storage,
+        pool.disaggregation.kv_ttl_s,
+    )  # fmt: skip
+
+
 async def serve(settings: WorkerSettings) -> int:
     try:
         pool = settings.load_pools().pool(settings.pool)
@@ -33,14 +48,18 @@ async def serve(settings: WorkerSettings) -> int:
         raise SystemExit(f"sluice worker: {exc.args[0]}") from None
     except ConfigError as exc:
         raise SystemExit(f"sluice worker: {exc}") from None
+    if settings.role == "both" and pool.scaling.prefill is not None:
+        settings = settings.model_copy(update={"role": "decode"})  # the pool's other workers decode
     redis = redis_client(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    engine = build_engine(pool, settings)
     worker = Worker(
-        settings, build_engine(pool, settings), redis, pool.model, pool.max_running, pool.light_slots
-    )
+        settings, engine, redis, pool.model, pool.max_running, pool.light_slots,
+        handoff_desk(pool, settings, engine, redis),
+    )  # fmt: skip
     worker.tensor_parallel_size = pool.tensor_parallel_size
     try:
         return await worker.run(stop)

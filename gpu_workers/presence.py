@@ -155,6 +155,7 @@ def heartbeat(
         max_running=vitals.max_running,
         light_slots=vitals.light_slots,
         decode_tokens_per_s=stats.decode_tokens_per_s,
+        role=settings.role,
         started_at=vitals.started_at,
         load_seconds=vitals.load_seconds,
         kv_events=True,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from queue_schemas.config import KvRole
+from queue_schemas.messages import KvRole
 from queue_schemas.settings import BusSettings
 
 

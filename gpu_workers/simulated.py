@@ -20,6 +20,7 @@ from gpu_workers.adapters import AdapterLru
 from gpu_workers.batch_clock import BatchClock, Running
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.engine_schedule import EngineSchedule, Entry
+from gpu_workers.handoff import KvTransfer
 from gpu_workers.json_sample import Budget, UnsupportedSchema, sample
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.config import SimulatedEngineConfig
@@ -179,7 +180,9 @@ class SimulatedEngine:
         else:
             await asyncio.sleep(self._config.token_ms / 1000)
 
-    async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(
+        self, request: InferenceRequest, kv: KvTransfer | None = None
+    ) -> AsyncIterator[EngineOutput]:
         if self._dead is not None:
             raise EngineError(self._dead)
         prompt_tokens = len(request.prompt_token_ids)
@@ -199,6 +202,8 @@ class SimulatedEngine:
             if request.adapter is not None and self._adapters.use(request.adapter).loaded:
                 await asyncio.sleep(self._config.adapter_load_ms / 1000)
             cached = self._cache_prompt(request.block_hashes) * self._block_size
+            if kv is not None and not kv.save:  # a handoff's KV is loaded, as vLLM's connector loads it
+                cached = max(cached, (prompt_tokens - 1) // self._block_size * self._block_size)
             self._prefix_queries += prompt_tokens
             self._prefix_hits += cached
             await self._prefill(entry, prompt_tokens - cached)

@@ -22,9 +22,17 @@ import structlog
 
 from gpu_workers.adapters import AdapterLru
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.handoff import KvTransfer, transfer_params
 from gpu_workers.kv_translate import KvTranslator, salt_of
-from queue_schemas.config import KV_CONNECTOR_ROLES, AdapterConfig, KvRole, PoolConfig, VllmEngineConfig
-from queue_schemas.messages import FinishReason, InferenceRequest
+from queue_schemas.config import (
+    HANDOFF_CONNECTOR,
+    HANDOFF_CONNECTOR_MODULE,
+    KV_CONNECTOR_ROLES,
+    AdapterConfig,
+    PoolConfig,
+    VllmEngineConfig,
+)
+from queue_schemas.messages import FinishReason, InferenceRequest, KvRole
 from queue_schemas.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 
 log = structlog.get_logger("sluice.vllm")
@@ -57,11 +65,14 @@ def kv_transfer_arguments(config: VllmEngineConfig, role: KvRole) -> dict[str, A
     Pure."""
     if config.kv_connector is None:
         return None
-    return {
+    args: dict[str, Any] = {
         "kv_connector": config.kv_connector.connector,
         "kv_role": KV_CONNECTOR_ROLES[role],
         "kv_connector_extra_config": dict(config.kv_connector.extra),
     }
+    if config.kv_connector.connector == HANDOFF_CONNECTOR:
+        args["kv_connector_module_path"] = HANDOFF_CONNECTOR_MODULE
+    return args
 
 
 def engine_arguments(
@@ -99,6 +110,8 @@ def engine_arguments(
     transfer = kv_transfer_arguments(config, role)
     if transfer is not None:
         args["kv_transfer_config"] = transfer
+        if role == "prefill":  # a prompt's KV is saved from one step: no prompt is split over steps
+            args["max_num_batched_tokens"] = pool.context_tokens
     if kv_endpoint is not None:
         args["kv_events_config"] = {
             "enable_kv_cache_events": True,
@@ -401,7 +414,9 @@ class VllmEngine:
         self._adapters.use(adapter)
         return LoRARequest(adapter, self._pool.adapter_id(adapter), str(folder))
 
-    async def generate(self, request: InferenceRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(
+        self, request: InferenceRequest, kv: KvTransfer | None = None
+    ) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise EngineError("the engine is not started")
         from vllm import SamplingParams
@@ -414,7 +429,10 @@ class VllmEngine:
             fields = sampling_arguments(request)
             structured = fields.pop("structured")
             guided = StructuredOutputsParams(**structured) if structured is not None else None
-            params = SamplingParams(output_kind=RequestOutputKind.DELTA, structured_outputs=guided, **fields)
+            extra = None if kv is None else {"kv_transfer_params": transfer_params(kv)}
+            params = SamplingParams(
+                output_kind=RequestOutputKind.DELTA, structured_outputs=guided, extra_args=extra, **fields
+            )
         except (ValueError, VLLMClientError) as exc:
             raise EngineError(f"sampling parameters refused by the engine: {exc}") from None
         lora = self._lora_request(request.adapter)

@@ -22,10 +22,12 @@ from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EarlyStart, Engine, EngineError
+from gpu_workers.handoff import KvTransfer
 from gpu_workers.inbox import Entry, Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.metrics import TEAM_TOKENS
 from gpu_workers.output import Moved, RequestOutput
+from gpu_workers.prefill import HandoffDesk
 from gpu_workers.presence import (
     CompletionRate,
     Ready,
@@ -87,6 +89,7 @@ class Worker:
         model: str,
         max_running: int,
         light_slots: int = 0,
+        handoffs: HandoffDesk | None = None,
     ) -> None:
         self.settings = settings
         self.names = settings.names
@@ -96,6 +99,8 @@ class Worker:
         self.model = model
         self.max_running = max_running
         self.light_slots = light_slots  # the engine runs max_running + light_slots (see next_light)
+        self.handoffs = handoffs  # prefill/decode handoffs (a pool with prefill workers)
+        self._engine_ready = asyncio.Event()
         self.state = WorkerState.STARTING
         self.started_at = process_started_at()
         self.load_seconds: float | None = None
@@ -138,6 +143,9 @@ class Worker:
             follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)
         )
         kv_events = asyncio.create_task(self._kv_loop(), name="kv-events")
+        background = {heartbeats, cancels, kv_events}
+        if self.handoffs is not None and self.settings.role == "prefill":
+            background.add(asyncio.create_task(self.handoffs.serve_jobs(self._engine_ready), name="prefill"))
         try:
             t0 = time.monotonic()
             try:
@@ -150,6 +158,7 @@ class Worker:
             await self.inbox.ensure()
             self.state = WorkerState.READY
             self.ready_at = time.time()
+            self._engine_ready.set()
             await self._publish_heartbeat()
             log.info(
                 "worker ready",
@@ -165,7 +174,6 @@ class Worker:
             await self._drain()
             return 0
         finally:
-            background = {heartbeats, cancels, kv_events}
             for task in background:
                 task.cancel()
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
@@ -330,6 +338,7 @@ class Worker:
         )  # fmt: skip
         started = False
         pieces: EarlyStart | None = None
+        loaded: KvTransfer | None = None
 
         def produced() -> bool:
             """Whether the engine gave output: a request stopped after that is charged what it used."""
@@ -337,9 +346,11 @@ class Worker:
 
         try:
             refusal = start_refusal(request, time.time())
+            if refusal is None and request.handoff is not None and self.handoffs is not None:
+                loaded = (await self.handoffs.await_kv(request)).kv  # None: prefilled here
             if refusal is None:
                 # Prefill starts at once; the start check goes out with the first chunk.
-                pieces = EarlyStart(self.engine.generate(request))
+                pieces = EarlyStart(self.engine.generate(request, loaded))
                 outcome = await self._open(out, pieces, coalescer)
                 if outcome == "moved":
                     log.warning(
@@ -387,6 +398,8 @@ class Worker:
         finally:
             if pieces is not None:
                 await pieces.discard()
+            if loaded is not None and self.handoffs is not None:
+                await self.handoffs.release(loaded)
         await self._ack(entry_id)
 
     async def _open(self, out: RequestOutput, pieces: EarlyStart, coalescer: ChunkCoalescer) -> str:
@@ -510,6 +523,13 @@ class Worker:
             inbox_pending, seq=self._hb_seq, kv_seq=self.kv.seq,
             completed_per_s=self.completions.rate(time.monotonic()),
         )  # fmt: skip
+        if self.handoffs is not None and self.settings.role == "prefill":
+            hb = hb.model_copy(
+                update={
+                    "prefill_tokens_per_s": self.handoffs.rate.tokens_per_s,
+                    "prefill_backlog": self.handoffs.backlog,
+                }
+            )
         await publish_heartbeat(self.redis, self.names, hb)
         if self.settings.state_file is not None:
             write_state_file(self.settings.state_file, hb.state)

@@ -63,7 +63,10 @@ class SimulatedEngineConfig(BaseModel):
         return self
 
 
-KvRole = Literal["both", "prefill", "decode"]
+# sluice's shared-storage connector (gpu_workers.kv_handoff): vLLM's ExampleConnector, saving and loading
+# only handoffs, each under its own secret id.
+HANDOFF_CONNECTOR = "SluiceHandoffConnector"
+HANDOFF_CONNECTOR_MODULE = "gpu_workers.kv_handoff"
 KV_CONNECTOR_ROLES: dict[str, str] = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
 
@@ -115,6 +118,15 @@ class VllmEngineConfig(BaseModel):
         default=None, description="a KV connector, for prefill on one worker and decode on another"
     )
 
+    @property
+    def handoff_storage(self) -> Path | None:
+        """The folder handoff KV is written to, with the sluice shared-storage connector."""
+        kv = self.kv_connector
+        if kv is None or kv.connector != HANDOFF_CONNECTOR:
+            return None
+        path = kv.extra.get("shared_storage_path")
+        return Path(str(path)) if path else None
+
 
 # What clients send as `model`: a base model's or an adapter's id.
 ModelId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/\-]{0,127}$")]
@@ -134,6 +146,64 @@ class AdapterConfig(BaseModel):
     rank: int = Field(default=8, gt=0, le=512, description="the adapter's LoRA rank (r)")
     target_modules: tuple[str, ...] = Field(
         default=("q_proj", "v_proj"), min_length=1, description="the modules it adapts, for `sluice plan`"
+    )
+
+
+class PrefillGroup(BaseModel):
+    """A pool's prefill-only workers (role `prefill`): they run disaggregated requests' prompts and hand
+    the KV to the pool's other workers (then role `decode`), which run every request's decode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=2, ge=0)
+    per_decode: float = Field(
+        default=1.0, gt=0, description="prefill replicas per decode replica the scaler targets, within bounds"
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"prefill min_replicas ({self.min_replicas}) exceeds max_replicas")
+        return self
+
+
+class DisaggregationConfig(BaseModel):
+    """When the dispatcher runs a request's prefill on a prefill worker and its decode on another.
+
+    `auto` decides per request (dispatcher.disagg): when the decode worker's time to prefill the
+    uncached prompt, and the stall it would put on that worker's running requests, exceed the prefill
+    worker's queue and compute plus the KV transfer. `threshold` is llm-d's rule (uncached prompt tokens
+    at least `threshold_tokens`); `always` and `never` are what they say.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["auto", "threshold", "always", "never"] = "auto"
+    threshold_tokens: int = Field(
+        default=500, ge=0, description="mode threshold: uncached tokens to split at"
+    )
+    min_uncached_tokens: int = Field(
+        default=256, ge=1, description="auto: a shorter uncached prompt always prefills where it decodes"
+    )
+    transfer_fixed_s: float = Field(default=0.05, ge=0, description="a handoff's fixed cost, until measured")
+    transfer_s_per_token: float = Field(default=0.0, ge=0, description="KV transfer time per prompt token")
+    prefill_tokens_per_s: float = Field(
+        default=2000.0, gt=0, description="a worker's prefill rate until its heartbeat reports one"
+    )
+    stall_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="auto: how much a second of prefill stalling one running request counts against TTFT",
+    )
+    handoff_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="a decode worker prefills itself if the KV is not ready by then",
+    )
+    kv_ttl_s: float = Field(
+        default=300.0, gt=0, description="handoff KV left on shared storage is removed after"
     )
 
 
@@ -157,6 +227,9 @@ class ScalingConfig(BaseModel):
     )
     plan_gpu: str = "h100"
     plan_tensor_parallel: int = Field(default=4, gt=0)
+    prefill: PrefillGroup | None = Field(
+        default=None, description="prefill-only workers; with them, the replicas above are decode workers"
+    )
 
     @property
     def can_activate(self) -> bool:
@@ -215,6 +288,27 @@ class PoolConfig(BaseModel):
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
     vllm: VllmEngineConfig | None = None
     scaling: ScalingConfig = ScalingConfig()
+    disaggregation: DisaggregationConfig | None = Field(
+        default=None, description="prefill on prefill workers, decode on the others (needs scaling.prefill)"
+    )
+
+    @model_validator(mode="after")
+    def _roles(self) -> Self:
+        split = self.disaggregation is not None and self.disaggregation.mode != "never"
+        if split and self.scaling.prefill is None:
+            raise ValueError(
+                f"pool {self.name}: [pools.disaggregation] needs [pools.scaling.prefill] workers"
+            )
+        if split and self.engine == "vllm" and (self.vllm is None or self.vllm.kv_connector is None):
+            raise ValueError(f"pool {self.name}: disaggregation on vLLM needs [pools.vllm.kv_connector]")
+        if split and self.adapters:
+            raise ValueError(f"pool {self.name}: disaggregation is for base-model pools (no adapters)")
+        return self
+
+    @property
+    def splits(self) -> bool:
+        """Whether the dispatcher may run a request's prefill on a prefill worker."""
+        return self.disaggregation is not None and self.disaggregation.mode != "never"
 
     @model_validator(mode="after")
     def _engine_section(self) -> Self:

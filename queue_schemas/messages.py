@@ -122,6 +122,22 @@ class Resume(BaseModel):
     max_tokens: int = Field(ge=1, description="the client's max_tokens")
 
 
+KvRole = Literal["both", "prefill", "decode"]
+HandoffId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+
+
+class Handoff(BaseModel):
+    """A disaggregated request's prefill, run on another worker first. Set by the dispatcher that places
+    the request (whatever a record arrives with is dropped); the id is secret and names the KV the
+    prefill worker writes, so only this request loads it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: HandoffId
+    prefill_worker: Name
+    wait_s: float = Field(gt=0, le=600, description="how long the decode worker waits for the KV")
+
+
 class InferenceRequest(Message):
     """One admitted request, produced to requests.<pool> (or batch.<pool>)."""
 
@@ -160,6 +176,9 @@ class InferenceRequest(Message):
     )
     deadline: float = Field(description="epoch seconds after which the request is abandoned")
     resume: Resume | None = Field(default=None, description="set when the request moved off a lost worker")
+    handoff: Handoff | None = Field(
+        default=None, description="set by the dispatcher when the prefill runs on another worker first"
+    )
     keep_log_s: int = Field(
         default=0,
         ge=0,
@@ -276,6 +295,15 @@ class Heartbeat(Message):
         "its share of this worker may take",
     )
     decode_tokens_per_s: float = Field(ge=0.0)
+    role: KvRole = Field(
+        default="both", description="prefill: runs prefill jobs only; decode or both: requests"
+    )
+    prefill_tokens_per_s: float = Field(
+        default=0.0, ge=0.0, description="prompt tokens computed per second, recently"
+    )
+    prefill_backlog: int = Field(
+        default=0, ge=0, description="prompt tokens of the prefill jobs not finished"
+    )
     tensor_parallel_size: int = Field(default=1, gt=0)
     spec_decoding: bool = False
     kv_events: bool = Field(default=False, description="the worker publishes a precise prefix index")
@@ -295,6 +323,26 @@ class Heartbeat(Message):
         default=(), max_length=1024, description="LoRA adapters the engine holds, least recently used first"
     )
     error: str | None = Field(default=None, max_length=2000, description="why a failed worker stopped")
+
+
+class PrefillJob(Message):
+    """A disaggregated request, for its prefill worker: run its prompt for one token with the KV saved
+    under the handoff id, then push a KvReady to the request's `kv_ready` list."""
+
+    handoff_id: HandoffId
+    decode_worker: Name
+    request: InferenceRequest
+    deadline: float = Field(description="epoch seconds after which the decode worker no longer waits")
+
+
+class KvReady(Message):
+    """A prefill worker's answer to a PrefillJob."""
+
+    handoff_id: HandoffId
+    worker_id: Name
+    ok: bool
+    prefill_s: float = Field(ge=0.0, description="from the job's arrival to the KV saved")
+    error: str | None = Field(default=None, max_length=2000)
 
 
 class CancelNotice(Message):

@@ -118,6 +118,10 @@ class Names:
         """A format string ({topic}, {partition}) for the lease of one partition (dispatcher.leases)."""
         return f"{self.prefix}:lease:{{{{{pool}}}}}:{{topic}}:{{partition}}"
 
+    def handoff_totals(self, pool: str) -> str:
+        """Hash: the pool's handoffs at decode workers: loaded, fallback, and wait_ms (their summed wait)."""
+        return f"{self.prefix}:handoffs:{{{pool}}}"
+
     def migrations(self, pool: str) -> str:
         """Hash: outcome -> how many requests of the pool's lost workers ended so (see dispatcher.metrics)."""
         return f"{self.prefix}:migrations:{{{pool}}}"
@@ -177,6 +181,18 @@ class Names:
 
     def cancelled(self, request_id: str) -> str:
         return f"{self.prefix}:cancelled:{{{request_id}}}"
+
+    def kv_ready(self, request_id: str) -> str:
+        """List: a disaggregated request's prefill result (KvReady), pushed by its prefill worker."""
+        return f"{self.prefix}:kvready:{{{request_id}}}"
+
+    def handoff(self, request_id: str) -> str:
+        """Hash: how a disaggregated request's handoff went (both workers, outcome, seconds)."""
+        return f"{self.prefix}:handoff:{{{request_id}}}"
+
+    def prefill_jobs(self, worker_id: str) -> str:
+        """List: prefill jobs (PrefillJob) for a worker, pushed by decode workers."""
+        return f"{self.prefix}:prefill:{{{worker_id}}}"
 
     # Redis pub/sub channels
     def stream_channel(self, request_id: str) -> str:

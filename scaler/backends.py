@@ -48,7 +48,22 @@ class Backend(Protocol):
         self, pool: str, verdict: Verdict, beats: Sequence[Heartbeat], spec_decoding: bool
     ) -> DrainAsks: ...
 
+    def size_prefill(self, pool: str, target: int, beats: Sequence[Heartbeat]) -> None:
+        """Bring the pool's prefill workers (`beats`: theirs) to `target`."""
+        ...
+
     def close(self, timeout_s: float) -> None: ...
+
+
+PREFILL = "/prefill"  # a pool's prefill workers are kept under "<pool>/prefill"
+
+
+def prefill_to_stop(beats: Sequence[Heartbeat], owned: set[str]) -> str | None:
+    """The prefill worker we own with the least queued, to stop first. Pure."""
+    ready = [hb for hb in beats if hb.worker_id in owned]
+    if not ready:
+        return next(iter(sorted(owned)), None)
+    return min(ready, key=lambda hb: (hb.prefill_backlog, hb.worker_id)).worker_id
 
 
 class DryRunBackend:
@@ -63,6 +78,10 @@ class DryRunBackend:
                 "would scale", pool=pool, action=verdict.action, target=verdict.target, reason=verdict.reason
             )
         return NO_ASKS
+
+    def size_prefill(self, pool: str, target: int, beats: Sequence[Heartbeat]) -> None:
+        if target != len(beats):
+            log.info("would size prefill workers", pool=pool, target=target, now=len(beats))
 
     def close(self, timeout_s: float) -> None:
         return None
@@ -80,11 +99,11 @@ def pick_to_drain(beats: Sequence[Heartbeat], owned: set[str]) -> str | None:
     return min(ready, key=lambda hb: (hb.running + hb.waiting + hb.inbox_pending, hb.worker_id)).worker_id
 
 
-def next_worker_id(pool: str, taken: set[str]) -> str:
+def next_worker_id(pool: str, taken: set[str], kind: str = "w") -> str:
     n = 0
-    while f"{pool}-w{n}" in taken:
+    while f"{pool}-{kind}{n}" in taken:
         n += 1
-    return f"{pool}-w{n}"
+    return f"{pool}-{kind}{n}"
 
 
 class LocalBackend:
@@ -126,17 +145,41 @@ class LocalBackend:
             owned[victim].send_signal(signal.SIGTERM)
         return NO_ASKS
 
-    def _start(self, pool: str, worker_id: str, spec_decoding: bool) -> None:
+    def size_prefill(self, pool: str, target: int, beats: Sequence[Heartbeat]) -> None:
+        """Start prefill workers (SLUICE_ROLE=prefill) up to `target`, or stop the least busy one above
+        it (its queued jobs end in a local prefill at their decode workers)."""
+        owner = pool + PREFILL
+        owned = self._alive(owner)
+        if len(owned) < target:
+            for _ in range(target - len(owned)):
+                taken = {hb.worker_id for hb in beats} | set(self._procs)
+                self._start(pool, next_worker_id(pool, taken, "p"), False, owner, "prefill")
+        elif len(owned) > target:
+            victim = prefill_to_stop(beats, set(owned))
+            if victim is not None:
+                log.info("stopping prefill worker", pool=pool, worker=victim)
+                owned[victim].send_signal(signal.SIGTERM)
+
+    def _start(
+        self,
+        pool: str,
+        worker_id: str,
+        spec_decoding: bool,
+        owner: str | None = None,
+        role: str | None = None,
+    ) -> None:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         env = {**self._env, "SLUICE_SPEC_DECODING": "true" if spec_decoding else "false"}
+        if role is not None:
+            env["SLUICE_ROLE"] = role
         argv = [sys.executable, "-m", "gpu_workers", "--pool", pool, "--worker-id", worker_id]
         with (self._log_dir / f"worker-{worker_id}.log").open("ab") as out:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                 preexec_fn=_die_with_parent,
             )  # fmt: skip
-        self._procs[worker_id] = (pool, proc)
-        log.info("started worker", pool=pool, worker=worker_id, pid=proc.pid)
+        self._procs[worker_id] = (owner or pool, proc)
+        log.info("started worker", pool=pool, worker=worker_id, pid=proc.pid, role=role or "default")
 
     def close(self, timeout_s: float) -> None:
         """Drain every worker we started, then kill what is left after `timeout_s`."""

@@ -69,8 +69,17 @@ def report_body(report: PoolReport) -> dict[str, Any]:
         "decision": {"action": v.action, "target": v.target, "reason": v.reason},
         "spec_decoding": report.spec_decoding,
         "migrations": dict(sorted(report.migrations.items())),
+        "handoffs": handoff_figures(report.handoffs),
         "read_at": report.lag.read_at,
     }
+
+
+def handoff_figures(totals: Mapping[str, int]) -> dict[str, Any]:
+    """A pool's prefill/decode handoffs: how many, how many fell back to a local prefill, the mean wait."""
+    loaded, fallback = totals.get("loaded", 0), totals.get("fallback", 0)
+    count = loaded + fallback
+    mean = totals.get("wait_ms", 0) / count / 1000 if count else None
+    return {"disaggregated": count, "fallbacks": fallback, "mean_handoff_s": mean}
 
 
 def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
@@ -79,6 +88,7 @@ def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
     return {
         "worker": hb.worker_id,
         "state": hb.state,
+        "role": hb.role,
         "kv_used": round(1 - hb.kv_blocks_free / total, 4) if total else None,
         "running": hb.running,
         "waiting": hb.waiting + hb.inbox_pending,
@@ -86,6 +96,7 @@ def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
         if hb.prefix_query_tokens
         else None,
         "decode_tokens_per_s": round(hb.decode_tokens_per_s, 1),
+        "prefill_tokens_per_s": round(hb.prefill_tokens_per_s, 1),
         "completed_per_s": round(hb.completed_per_s, 3),
         "preemptions": hb.preemptions,
         "adapters": list(hb.adapters),

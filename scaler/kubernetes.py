@@ -71,6 +71,16 @@ class KubernetesBackend:
         del self._asked[pool]
         return DrainAsks(drain=(asked,))
 
+    def size_prefill(self, pool: str, target: int, beats: Sequence[Heartbeat]) -> None:
+        """The pool's prefill Deployment (the workload's name plus `-prefill`) at `target` replicas. A
+        prefill pod is scaled away without a drain: its queued jobs end in a local prefill."""
+        name = self._workload.format(pool=pool) + "-prefill"
+        if self._wanted.get(pool + "/prefill") == target:
+            return
+        self._apps.patch_namespaced_deployment_scale(name, self._namespace, {"spec": {"replicas": target}})
+        self._wanted[pool + "/prefill"] = target
+        log.info("scaled deployment", pool=pool, deployment=name, replicas=target)
+
     def _scale(self, pool: str, replicas: int) -> None:
         name = self._workload.format(pool=pool)
         self._apps.patch_namespaced_deployment_scale(name, self._namespace, {"spec": {"replicas": replicas}})

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from queue_schemas.config import ScalingConfig
+from queue_schemas.config import PrefillGroup, ScalingConfig
 
 Action = Literal["up", "down", "hold"]
 
@@ -125,3 +125,9 @@ def policy_from_config(config: ScalingConfig) -> ScalingPolicy:
         step_down_every_s=config.step_down_every_s,
         scale_to_zero=config.scale_to_zero,
     )
+
+
+def prefill_target(group: PrefillGroup, decode_replicas: int) -> int:
+    """Prefill replicas for a pool with `decode_replicas` decode workers: `per_decode` each, rounded up,
+    within the group's bounds."""
+    return max(group.min_replicas, min(group.max_replicas, math.ceil(group.per_decode * decode_replicas)))

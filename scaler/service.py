@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -22,7 +23,7 @@ from redis.exceptions import RedisError
 
 from queue_schemas.codec import encode
 from queue_schemas.config import PoolConfig, ScalingConfig
-from queue_schemas.messages import Heartbeat
+from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
 from queue_schemas.state import read_heartbeats
 from scaler import metrics
@@ -32,7 +33,15 @@ from scaler.dashboard import HISTORY_POINTS, Sample, sample_of, worker_row
 from scaler.forecast import ArrivalEstimator
 from scaler.lag import PoolLag, pool_lag, pool_state
 from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
-from scaler.policy import PoolSignals, ScalerMemory, ScalingPolicy, Verdict, decide, policy_from_config
+from scaler.policy import (
+    PoolSignals,
+    ScalerMemory,
+    ScalingPolicy,
+    Verdict,
+    decide,
+    policy_from_config,
+    prefill_target,
+)
 from scaler.signals import ReplicaMeasures, pool_signals, spec_decoding_on
 
 log = structlog.get_logger("sluice.scaler")
@@ -111,6 +120,7 @@ class PoolReport:
     workers: list[Heartbeat] = field(default_factory=list)
     batch_lag: PoolLag | None = None  # shown to people; scaling answers to interactive demand only
     migrations: dict[str, int] = field(default_factory=dict)  # lost workers' requests, by outcome
+    handoffs: dict[str, int] = field(default_factory=dict)  # loaded, fallback, wait_ms (names.handoff_totals)
 
     @property
     def completion_rate(self) -> float:
@@ -165,6 +175,10 @@ DRAIN_REQUEST_TTL_S = 120  # a drain request the scaler stops renewing lapses, a
 def retry_delay(tick_s: float, failures: int) -> float:
     """The pause before the next round: the tick, doubled per failed round in a row, capped."""
     return float(min(tick_s * 2.0 ** min(failures, 16), max(tick_s, MAX_RETRY_DELAY_S)))
+
+
+def _counts(raw: dict[Any, Any]) -> dict[str, int]:
+    return {k.decode() if isinstance(k, bytes) else str(k): int(v) for k, v in raw.items()}
 
 
 class Scaler:
@@ -223,7 +237,8 @@ class Scaler:
         # measure
         lag = await self.reader.read(name)
         batch_lag = await self._batch_lag(name)
-        beats, _ = await read_heartbeats(self.redis, self.names, name)
+        every, _ = await read_heartbeats(self.redis, self.names, name)
+        beats = [hb for hb in every if hb.role != "prefill"]  # sized from lag; prefill workers follow them
         held, dispatchers = await self._held(name)
         now = time.time()
         for partition, value in lag.partitions.items():
@@ -243,15 +258,21 @@ class Scaler:
         # act
         asks = await asyncio.to_thread(self.backend.apply, name, verdict, beats, c.spec_on)
         await self._send_drain_asks(asks)
+        group = c.config.scaling.prefill
+        if group is not None:
+            prefill = [hb for hb in every if hb.role == "prefill" and hb.state is not WorkerState.FAILED]
+            target = prefill_target(group, verdict.target)
+            await asyncio.to_thread(self.backend.size_prefill, name, target, prefill)
         if verdict.action != "hold":
             log.info(
                 "scaling", pool=name, action=verdict.action, target=verdict.target, reason=verdict.reason
             )
         # export
         moves = await self.redis.hgetall(self.names.migrations(name))
+        handoffs = await self.redis.hgetall(self.names.handoff_totals(name))
         report = PoolReport(
-            lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, beats, batch_lag,
-            {k.decode() if isinstance(k, bytes) else str(k): int(v) for k, v in moves.items()},
+            lag, pool_status(statuses), statuses, signals, verdict, held, c.spec_on, every, batch_lag,
+            _counts(moves), _counts(handoffs),
         )  # fmt: skip
         self.reports[name] = report
         self.history.setdefault(name, deque(maxlen=HISTORY_POINTS)).append(sample_of(report, now))

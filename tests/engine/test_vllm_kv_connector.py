@@ -10,7 +10,8 @@ import pytest
 
 from gpu_workers.engine import EngineOutput
 from gpu_workers.vllm_engine import VllmEngine
-from queue_schemas.config import KvConnectorConfig, KvRole, VllmEngineConfig
+from queue_schemas.config import KvConnectorConfig, VllmEngineConfig
+from queue_schemas.messages import KvRole
 from queue_schemas.model_store import ModelStore
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
 

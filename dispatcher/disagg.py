@@ -1,0 +1,148 @@
+"""Whether a request's prefill runs on a prefill worker, and which one. Pure: the dispatcher and the fleet
+simulator call the same code.
+
+The decode side is placed first (placement.choose, over the decode workers): that is where the KV will
+live and where the prefix index says how much of the prompt is cached. Then, in `auto` mode, the two
+ways of running the uncached prompt are priced in seconds:
+
+- here: the decode worker prefills it at its own rate; its first token waits that long, and so does the
+  next token of every request already running there (a prefill step stalls the decode batch);
+- split: the prefill worker first finishes what is queued at it, computes the prompt less what it has
+  cached itself, and the KV of the whole prompt is moved (a fixed cost plus a cost per token); loading
+  it stalls the decode worker's running requests only for the transfer.
+
+Each side's cost is its first-token time plus `stall_weight` times the stall it puts on running
+requests; the request is split when that is lower. `threshold` is llm-d's rule, `always` and `never`
+the two fixed policies, kept for comparison.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from queue_schemas.config import DisaggregationConfig
+from queue_schemas.messages import Heartbeat, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSide:
+    """A prefill worker as the dispatcher sees it: its heartbeat, the prompt tokens of the jobs sent to it
+    since, and how much of this prompt it has cached."""
+
+    heartbeat: Heartbeat
+    sent_tokens: int = 0
+    matched_tokens: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.heartbeat.worker_id
+
+    def backlog(self) -> int:
+        return self.heartbeat.prefill_backlog + self.sent_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SplitCase:
+    """What the decision is judged from."""
+
+    prompt_tokens: int
+    decode_cached: int  # prompt tokens the decode worker holds (its prefix index)
+    decode_running: int  # requests running on the decode worker
+    decode_rate: float  # prompt tokens per second the decode worker prefills
+    prefill_cached: int = 0
+    prefill_backlog: int = 0  # prompt tokens queued at the prefill worker
+    prefill_rate: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SplitVerdict:
+    split: bool
+    reason: str
+    local_s: float = 0.0
+    split_s: float = 0.0
+
+
+def costs(case: SplitCase, config: DisaggregationConfig) -> tuple[float, float]:
+    """The cost in seconds of prefilling on the decode worker, and of the split (see the module doc)."""
+    uncached = max(0, case.prompt_tokens - case.decode_cached)
+    here = uncached / max(case.decode_rate, 1e-9)
+    local = here + config.stall_weight * case.decode_running * here
+    transfer = config.transfer_fixed_s + config.transfer_s_per_token * case.prompt_tokens
+    compute = max(0, case.prompt_tokens - case.prefill_cached) / max(case.prefill_rate, 1e-9)
+    wait = case.prefill_backlog / max(case.prefill_rate, 1e-9)
+    split = wait + compute + transfer + config.stall_weight * case.decode_running * transfer
+    return local, split
+
+
+def decide_split(case: SplitCase, config: DisaggregationConfig) -> SplitVerdict:
+    """Whether to run the prompt on the prefill worker (the case's prefill side is the best one free)."""
+    uncached = max(0, case.prompt_tokens - case.decode_cached)
+    if config.mode == "never":
+        return SplitVerdict(False, "never")
+    if config.mode == "always":
+        return SplitVerdict(True, "always")
+    if config.mode == "threshold":
+        split = uncached >= config.threshold_tokens
+        return SplitVerdict(split, "over threshold" if split else "under threshold")
+    local, split_s = costs(case, config)
+    if uncached < config.min_uncached_tokens:
+        return SplitVerdict(False, "short uncached prompt", local, split_s)
+    if split_s < local:
+        return SplitVerdict(True, "split is cheaper", local, split_s)
+    return SplitVerdict(False, "local is cheaper", local, split_s)
+
+
+def prefill_rate(hb: Heartbeat, fallback: float) -> float:
+    """A worker's measured prefill rate, or `fallback` until it has measured one."""
+    return hb.prefill_tokens_per_s if hb.prefill_tokens_per_s > 0 else fallback
+
+
+def choose_prefill(
+    sides: Sequence[PrefillSide],
+    prompt_tokens: int,
+    now: float,
+    config: DisaggregationConfig,
+    rng: random.Random,
+) -> PrefillSide | None:
+    """The ready prefill worker that would finish this prompt soonest (its queue, then the prompt less
+    what it has cached); ties at random. None when no prefill worker is ready."""
+    ready = [
+        s
+        for s in sides
+        if s.heartbeat.state is WorkerState.READY
+        and s.heartbeat.role == "prefill"
+        and now - s.heartbeat.sent_at <= s.heartbeat.ttl_ms / 1000
+    ]
+    if not ready:
+        return None
+
+    def finish_s(side: PrefillSide) -> float:
+        rate = prefill_rate(side.heartbeat, config.prefill_tokens_per_s)
+        return (side.backlog() + max(0, prompt_tokens - side.matched_tokens)) / rate
+
+    best = min(finish_s(s) for s in ready)
+    return rng.choice([s for s in ready if finish_s(s) <= best + 1e-9])
+
+
+def split_case(
+    prompt_tokens: int,
+    decode: Heartbeat,
+    decode_cached: int,
+    side: PrefillSide,
+    config: DisaggregationConfig,
+) -> SplitCase:
+    """The case for one decode worker and one prefill worker. A decode worker that has not measured its
+    prefill rate is taken to prefill as fast as the prefill worker (the same model on the same kind of
+    machine), else the pool's configured rate."""
+    side_rate = prefill_rate(side.heartbeat, config.prefill_tokens_per_s)
+    return SplitCase(
+        prompt_tokens=prompt_tokens,
+        decode_cached=decode_cached,
+        decode_running=decode.running,
+        decode_rate=prefill_rate(decode, side_rate),
+        prefill_cached=side.matched_tokens,
+        prefill_backlog=side.backlog(),
+        prefill_rate=side_rate,
+    )
