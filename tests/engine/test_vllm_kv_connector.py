@@ -1,56 +1,89 @@
-"""Prefill on one vLLM engine, decode on another, through the pool's KV connector (vLLM's shared-storage
-ExampleConnector on CPU): the decode engine loads the prompt's KV instead of computing it, and its greedy
-output equals an engine's that did both."""
+"""Prefill on one vLLM engine, decode on another, through sluice's handoff connector
+(gpu_workers.kv_handoff, vLLM's shared-storage connector limited to handoffs): the decode engine loads
+the prompt's KV instead of computing it, and its greedy output equals an engine's that did both. On the
+tiny random-weight Llama and on SmolLM2."""
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import pytest
 
 from gpu_workers.engine import EngineOutput
+from gpu_workers.handoff import KvTransfer
+from gpu_workers.prefill import expected_rows, saved_rows
 from gpu_workers.vllm_engine import VllmEngine
-from queue_schemas.config import KvConnectorConfig, VllmEngineConfig
+from infra.models import prepare_smollm2
+from queue_schemas.config import HANDOFF_CONNECTOR, KvConnectorConfig, VllmEngineConfig
 from queue_schemas.messages import KvRole
 from queue_schemas.model_store import ModelStore
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT)]
 
+MODELS = Path(__file__).parents[2] / ".sluice" / "models"
 PROMPT = [(i * 11) % 397 + 5 for i in range(300)]  # two full blocks of 128 and a partial one
+OTHER = [(i * 7) % 389 + 11 for i in range(300)]
+
+
+@pytest.fixture(params=["tiny-llama", "smollm2"])
+def source(request: pytest.FixtureRequest, tiny_llama: Path) -> Path:
+    if request.param == "tiny-llama":
+        return tiny_llama
+    return prepare_smollm2(MODELS / "smollm2-135m-instruct", MODELS / "downloads").resolve()
+
+
+def engine(source: Path, cache: Path, storage: Path, role: KvRole) -> VllmEngine:
+    connector = KvConnectorConfig(connector=HANDOFF_CONNECTOR, extra={"shared_storage_path": str(storage)})
+    config = VllmEngineConfig(source=str(source), kv_cache_gib=0.25, max_num_seqs=8, kv_connector=connector)
+    return VllmEngine(tiny_pool(str(source), vllm=config), ModelStore(cache), False, role)
 
 
 async def run(
-    tiny_llama: Path, cache: Path, prompt: list[int], max_tokens: int, rid: str,
-    storage: Path | None = None, role: KvRole = "both",
-) -> list[EngineOutput]:  # fmt: skip
-    """One engine, started for this run, with the shared-storage connector when `storage` is given."""
-    connector = None if storage is None else KvConnectorConfig(extra={"shared_storage_path": str(storage)})
-    config = VllmEngineConfig(
-        source=str(tiny_llama), kv_cache_gib=0.25, max_num_seqs=8, kv_connector=connector
-    )
-    engine = VllmEngine(tiny_pool(str(tiny_llama), vllm=config), ModelStore(cache), False, role)
-    await engine.start()
-    try:
-        return [out async for out in engine.generate(request_for(prompt, max_tokens, rid))]
-    finally:
-        await engine.close()
+    e: VllmEngine, prompt: list[int], max_tokens: int, rid: str, kv: KvTransfer | None
+) -> list[EngineOutput]:
+    return [out async for out in e.generate(request_for(prompt, max_tokens, rid), kv)]
+
+
+def tokens(outputs: list[EngineOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
 
 
 async def test_a_prompt_prefilled_on_one_engine_is_decoded_on_another_exactly(
-    tiny_llama: Path, tmp_path: Path
+    source: Path, tmp_path: Path
 ) -> None:
     cache, storage = tmp_path / "cache", tmp_path / "kv"
-    single = await run(tiny_llama, cache, PROMPT, 24, "single-000000000001")
-    assert single[-1].prompt_tokens == len(PROMPT)
-    # The handoff: one token on the prefill engine, which saves the prompt's KV, one file per layer.
-    prefilled = await run(tiny_llama, cache, PROMPT, 1, "prefill-00000000001", storage, "prefill")
-    assert prefilled[-1].cached_tokens == 0
-    saved = list(storage.rglob("*.safetensors"))
-    assert saved, "the prefill engine wrote the prompt's KV"
-    # The decode engine loads it: its prompt's leading blocks count as cached (the external hit), and
-    # its greedy tokens are the single engine's.
-    decoded = await run(tiny_llama, cache, PROMPT, 24, "decode-000000000001", storage, "decode")
-    assert decoded[-1].cached_tokens == 2 * BLOCK
-    assert [t for o in decoded for t in o.token_ids] == [t for o in single for t in o.token_ids]
-    assert "".join(o.text for o in decoded) == "".join(o.text for o in single)
+    handoff = secrets.token_hex(16)
+    prefill = engine(source, cache, storage, "prefill")
+    await prefill.start()
+    try:
+        # The handoff's prefill: one token, with the prompt's KV saved under the handoff's id alone.
+        prefilled = await run(prefill, PROMPT, 1, "prefill-00000000001", KvTransfer(handoff, save=True))
+        assert prefilled[-1].cached_tokens == 0
+        assert [p.name for p in storage.iterdir()] == [handoff]
+        assert saved_rows(storage / handoff) == {expected_rows(len(PROMPT), BLOCK)}
+        # A request without a handoff saves nothing: no other prompt's KV reaches the shared folder.
+        await run(prefill, OTHER, 4, "plain-0000000000001", None)
+        assert [p.name for p in storage.iterdir()] == [handoff]
+        # The single-engine answer: this engine computed the prompt itself.
+        single = await run(prefill, PROMPT, 24, "single-000000000001", None)
+    finally:
+        await prefill.close()
+    decode = engine(source, cache, storage, "decode")
+    await decode.start()
+    try:
+        # The decode engine loads it: the prompt's leading whole blocks (less its last token) count as
+        # cached (the external hit: this engine never saw the prompt), and its greedy tokens are the
+        # single engine's.
+        decoded = await run(decode, PROMPT, 24, "decode-000000000001", KvTransfer(handoff, save=False))
+        assert decoded[-1].cached_tokens == 2 * BLOCK
+        assert tokens(decoded) == tokens(single)
+        assert "".join(o.text for o in decoded) == "".join(o.text for o in single)
+        # Another handoff id finds nothing: the prompt is computed, and the answer is the same.
+        elsewhere = await run(
+            decode, OTHER, 8, "other-0000000000001", KvTransfer(secrets.token_hex(16), False)
+        )
+        assert elsewhere[-1].cached_tokens == 0
+    finally:
+        await decode.close()
