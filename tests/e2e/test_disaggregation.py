@@ -1,0 +1,226 @@
+"""Prefill/decode disaggregation through `sluice dev`: a SmolLM2 pool of one prefill and one decode worker
+handing KV over through the shared-storage handoff connector, beside a one-worker pool of the same model
+for reference. A long prompt is split (its records name both workers), a short one is not, and both
+answers equal the single worker's; a prefill worker killed mid-handoff still leaves a correct answer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from infra.launcher import child_pids
+from infra.models import prepare_smollm2
+from queue_schemas.codec import decode
+from queue_schemas.messages import Heartbeat
+from queue_schemas.names import Names
+from tests.e2e.test_dev_command import DevRun, sluice_dev
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+MODELS = Path(__file__).parents[2] / ".sluice" / "models"
+POOL = """
+[[pools]]
+name = "{name}"
+model = "{name}"
+engine = "vllm"
+context_tokens = 2048
+block_size = 128
+queue_timeout_s = 300
+[pools.vllm]
+source = "{source}"
+kv_cache_gib = 0.25
+max_num_seqs = 4
+cpu_threads = 1
+"""
+SPLIT = """
+[pools.vllm.kv_connector]
+connector = "SluiceHandoffConnector"
+extra = {{ shared_storage_path = "{kv}" }}
+[pools.scaling]
+min_replicas = 1
+max_replicas = 1
+[pools.scaling.prefill]
+min_replicas = 1
+max_replicas = 1
+[pools.disaggregation]
+mode = "threshold"        # the decision's other modes are the unit tests' and the simulator's
+threshold_tokens = 512
+handoff_wait_s = 120
+"""
+SINGLE = """
+[pools.scaling]
+min_replicas = 1
+max_replicas = 1
+"""
+WORDS = ["river", "stone", "lantern", "harbor", "meadow", "copper", "violet", "thunder", "orchard", "candle"]
+
+
+def long_prompt(seed: int) -> str:
+    """About 800 tokens of text, different for each seed (so no prefix is shared between tests)."""
+    words = [WORDS[(i * seed + i // 7) % len(WORDS)] for i in range(700)]
+    return f"Notes {seed}: " + " ".join(words) + "\nSummarise the notes above in one sentence."
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
+    tmp = tmp_path_factory.mktemp("disagg")
+    source = prepare_smollm2(MODELS / "smollm2-135m-instruct", MODELS / "downloads").resolve()
+    config = tmp / "pools.toml"
+    config.write_text(
+        POOL.format(name="split", source=source)
+        + SPLIT.format(kv=tmp / "kv")
+        + POOL.format(name="single", source=source)
+        + SINGLE
+    )
+    with sluice_dev(tmp, "--config", str(config), "--dispatchers", "1") as dev:
+        asyncio.run(_ready(dev, {"split": 2, "single": 1}))
+        yield dev
+
+
+async def _heartbeats(dev: DevRun, pool: str) -> list[Heartbeat]:
+    redis = aioredis.Redis.from_url(dev.env["SLUICE_REDIS_URL"])
+    try:
+        keys = [key async for key in redis.scan_iter(match=Names().heartbeat(pool, "*"))]
+        return [decode(Heartbeat, raw) for raw in await redis.mget(keys) if raw] if keys else []
+    finally:
+        await redis.aclose()
+
+
+async def _ready(dev: DevRun, wanted: dict[str, int]) -> None:
+    for _ in range(1200):
+        counts = {pool: sum(hb.state == "ready" for hb in await _heartbeats(dev, pool)) for pool in wanted}
+        if all(counts[pool] >= n for pool, n in wanted.items()):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"workers did not become ready: {wanted}")
+
+
+async def _placement(dev: DevRun, rid: str) -> str:
+    redis = aioredis.Redis.from_url(dev.env["SLUICE_REDIS_URL"], decode_responses=True)
+    try:
+        return str(await redis.get(Names().placement(rid)))
+    finally:
+        await redis.aclose()
+
+
+async def _handoff(dev: DevRun, rid: str) -> dict[str, str]:
+    redis = aioredis.Redis.from_url(dev.env["SLUICE_REDIS_URL"], decode_responses=True)
+    try:
+        record = await redis.hgetall(Names().handoff(rid))
+        return {str(k): str(v) for k, v in record.items()}
+    finally:
+        await redis.aclose()
+
+
+def ask(dev: DevRun, model: str, prompt: str) -> tuple[str, str, str]:
+    """A greedy streamed chat answer: (request id, text, the worker its placement record names, read
+    while it streams)."""
+    client = openai.OpenAI(
+        base_url=dev.env["SLUICE_URL"] + "/v1", api_key=dev.env["SLUICE_API_KEY"], max_retries=0
+    )
+    with client:
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+        )
+        rid, placed, text = "", "", list[str]()
+        for chunk in stream:
+            if not rid:
+                rid = chunk.id.split("-", 1)[1]
+                placed = asyncio.run(_placement(dev, rid))
+            text.extend(c.delta.content or "" for c in chunk.choices)
+    return rid, "".join(text), placed
+
+
+def handoff(dev: DevRun, rid: str) -> dict[str, str]:
+    return asyncio.run(_handoff(dev, rid))
+
+
+def workers(dev: DevRun) -> tuple[str, str]:
+    beats = asyncio.run(_heartbeats(dev, "split"))
+    prefill = next(hb.worker_id for hb in beats if hb.role == "prefill" and hb.state == "ready")
+    decode_ = next(hb.worker_id for hb in beats if hb.role == "decode")
+    return prefill, decode_
+
+
+def test_a_long_prompt_is_split_a_short_one_is_not_and_both_answer_as_one_worker(run: DevRun) -> None:
+    prefill, decode_ = workers(run)
+    prompt = long_prompt(3)
+    rid, text, placed = ask(run, "split", prompt)
+    record = handoff(run, rid)
+    # The placement record names the decode worker; the handoff record both, and the KV was loaded.
+    assert placed == decode_
+    assert record["prefill_worker"] == prefill
+    assert record["decode_worker"] == decode_
+    assert record["outcome"] == "loaded"
+    print(f"handoff: waited {record['waited_s']} s, prefill {record['prefill_s']} s")
+    _, single_text, _ = ask(run, "single", prompt)
+    assert text == single_text
+    assert text
+    short_rid, short_text, short_placed = ask(run, "split", "Name three colours.")
+    assert short_placed == decode_
+    assert handoff(run, short_rid) == {}  # not split
+    assert short_text == ask(run, "single", "Name three colours.")[1]
+
+
+def worker_processes(dev: DevRun, worker_id: str) -> list[int]:
+    """The worker's process and its engine's."""
+    for pid in child_pids(dev.pids["scaler"]):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if worker_id.encode() in argv:
+            return [pid, *child_pids(pid)]
+    raise AssertionError(f"no process for {worker_id}")
+
+
+async def _placements(dev: DevRun) -> set[bytes]:
+    redis = aioredis.Redis.from_url(dev.env["SLUICE_REDIS_URL"])
+    try:
+        return {key async for key in redis.scan_iter(match=Names().placement("*"))}
+    finally:
+        await redis.aclose()
+
+
+def _placed(dev: DevRun, before: set[bytes]) -> None:
+    """Wait for a request placed after `before` was read."""
+    for _ in range(400):
+        if asyncio.run(_placements(dev)) - before:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the request was not placed")
+
+
+def test_a_prefill_worker_killed_mid_handoff_leaves_a_correct_answer(run: DevRun) -> None:
+    prefill, decode_ = workers(run)
+    pids = worker_processes(run, prefill)
+    prompt = long_prompt(5)
+    # Frozen, the prefill worker still looks ready to the dispatcher for its heartbeat's lifetime, so the
+    # request is split onto it, and the job sent to it is never run; then it is killed.
+    before = asyncio.run(_placements(run))
+    os.kill(pids[0], signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask, run, "split", prompt)
+        _placed(run, before)
+        time.sleep(0.5)  # the decode worker reads its inbox and sends the job
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rid, text, placed = answer.result(timeout=300)
+    record = handoff(run, rid)
+    assert placed == decode_
+    assert record["prefill_worker"] == prefill
+    assert record["outcome"] == "prefill worker lost"
+    print(f"fell back {time.monotonic() - killed_at:.1f} s after the kill; waited {record['waited_s']} s")
+    assert text == ask(run, "single", prompt)[1]
+    assert text
