@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpu_workers.handoff import KvTransfer
 from queue_schemas.messages import FinishReason, InferenceRequest, KvEventKind
@@ -24,6 +24,7 @@ class EngineOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     token_ids: tuple[int, ...] = ()
+    kv_params: dict[str, Any] | None = None  # with the last output: the KV connector's transfer parameters
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,15 +16,26 @@ _HANDOFF_ID = re.compile(r"^[0-9a-f]{32}$")
 
 @dataclass(frozen=True, slots=True)
 class KvTransfer:
-    """A request's part in a handoff: the prefill side saves the prompt's KV, the decode side loads it."""
+    """A request's part in a handoff: the prefill side saves the prompt's KV, the decode side loads it.
+    `remote`: for a connector that moves KV between engines (NIXL, Mooncake), the parameters the prefill
+    engine returned with its output, which tell the decode engine where to pull the KV from."""
 
     handoff_id: str
     save: bool
+    remote: dict[str, Any] | None = None
 
 
-def transfer_params(kv: KvTransfer) -> dict[str, Any]:
-    """The request's kv_transfer_params for sluice's connector (gpu_workers.kv_handoff). Pure."""
-    return {HANDOFF_PARAM: kv.handoff_id, "save" if kv.save else "load": True}
+def transfer_params(kv: KvTransfer, shared_storage: bool = True) -> dict[str, Any]:
+    """The request's kv_transfer_params. Pure.
+
+    sluice's shared-storage connector (gpu_workers.kv_handoff) takes the handoff id and the side. The
+    engine-to-engine connectors of vLLM take `do_remote_decode` on the prefill side, and on the decode
+    side the prefill's returned parameters with `do_remote_prefill`."""
+    if shared_storage:
+        return {HANDOFF_PARAM: kv.handoff_id, "save" if kv.save else "load": True}
+    if kv.save:
+        return {"do_remote_decode": True, "do_remote_prefill": False}
+    return {**(kv.remote or {}), "do_remote_prefill": True, "do_remote_decode": False}
 
 
 def parse_params(params: dict[str, Any] | None) -> KvTransfer | None:

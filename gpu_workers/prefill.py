@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -151,13 +152,16 @@ class HandoffDesk:
         started = time.monotonic()
         request = job.request
         if time.time() > job.deadline:
-            await self._answer(job, False, 0.0, "the decode worker stopped waiting before the job started")
+            await self._answer(
+                job, False, 0.0, "the decode worker stopped waiting before the job started", None
+            )
             return
         error = None
+        remote = None
         try:
             kv = KvTransfer(job.handoff_id, save=True)
-            async for _ in self._engine.generate(prefill_request(request), kv):
-                pass
+            async for out in self._engine.generate(prefill_request(request), kv):
+                remote = out.kv_params or remote
             if self._storage is not None:
                 error = await asyncio.to_thread(self._check_saved, job)
         except EngineError as exc:
@@ -168,7 +172,7 @@ class HandoffDesk:
         else:
             log.warning("prefill job failed", request_id=request.request_id, error=error)
         metrics.PREFILL_JOBS.labels(self._pool, "ok" if error is None else "failed").inc()
-        await self._answer(job, error is None, seconds, error)
+        await self._answer(job, error is None, seconds, error, remote)
 
     def _check_saved(self, job: PrefillJob) -> str | None:
         """Whether the connector saved the whole prompt's KV (what the decode side will load)."""
@@ -181,10 +185,13 @@ class HandoffDesk:
             return f"the KV saved covers {sorted(rows)} tokens, not {want}"
         return None
 
-    async def _answer(self, job: PrefillJob, ok: bool, seconds: float, error: str | None) -> None:
+    async def _answer(
+        self, job: PrefillJob, ok: bool, seconds: float, error: str | None, remote: dict[str, Any] | None
+    ) -> None:
         ready = KvReady(
-            handoff_id=job.handoff_id, worker_id=self._worker_id, ok=ok, prefill_s=seconds, error=error
-        )
+            handoff_id=job.handoff_id, worker_id=self._worker_id, ok=ok, prefill_s=seconds, error=error,
+            remote=remote,
+        )  # fmt: skip
         key = self._names.kv_ready(job.request.request_id)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -220,8 +227,9 @@ class HandoffDesk:
             kind, ready = "bus unavailable", None
         waited = time.monotonic() - started
         outcome = Outcome(kind, None, waited, 0.0 if ready is None else ready.prefill_s)
-        if kind == "loaded":
-            outcome = Outcome(kind, KvTransfer(handoff.id, save=False), waited, outcome.prefill_s)
+        if kind == "loaded" and ready is not None:
+            kv = KvTransfer(handoff.id, save=False, remote=ready.remote)
+            outcome = Outcome(kind, kv, waited, ready.prefill_s)
         metrics.HANDOFFS.labels(self._pool, "loaded" if kind == "loaded" else "fallback").inc()
         metrics.HANDOFF_SECONDS.labels(self._pool).observe(waited)
         await self._record(request, outcome)

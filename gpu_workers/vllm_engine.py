@@ -69,6 +69,9 @@ def kv_transfer_arguments(config: VllmEngineConfig, role: KvRole) -> dict[str, A
         "kv_connector": config.kv_connector.connector,
         "kv_role": KV_CONNECTOR_ROLES[role],
         "kv_connector_extra_config": dict(config.kv_connector.extra),
+        # KV that cannot be loaded (a prefill worker gone before the decode side pulled it) is computed
+        # where the request decodes, never an error to the client.
+        "kv_load_failure_policy": "recompute",
     }
     if config.kv_connector.connector == HANDOFF_CONNECTOR:
         args["kv_connector_module_path"] = HANDOFF_CONNECTOR_MODULE
@@ -253,6 +256,8 @@ class VllmEngine:
         self._store = store
         self._spec = spec_decoding
         self._role = role
+        connector = pool.vllm.kv_connector if pool.vllm is not None else None
+        self._shared_storage = connector is None or connector.connector == HANDOFF_CONNECTOR
         self._llm: Any = None
         self._figures = EngineFigures()
         self._translator = KvTranslator(pool.block_size)
@@ -429,7 +434,7 @@ class VllmEngine:
             fields = sampling_arguments(request)
             structured = fields.pop("structured")
             guided = StructuredOutputsParams(**structured) if structured is not None else None
-            extra = None if kv is None else {"kv_transfer_params": transfer_params(kv)}
+            extra = None if kv is None else {"kv_transfer_params": transfer_params(kv, self._shared_storage)}
             params = SamplingParams(
                 output_kind=RequestOutputKind.DELTA, structured_outputs=guided, extra_args=extra, **fields
             )
@@ -451,7 +456,8 @@ class VllmEngine:
                 finished = out.finished
                 cached = int(out.num_cached_tokens or 0)
                 tokens = tuple(completion.token_ids)
-                yield EngineOutput(completion.text, len(tokens), reason, n_prompt, cached, tokens)
+                params = out.kv_transfer_params if out.finished else None
+                yield EngineOutput(completion.text, len(tokens), reason, n_prompt, cached, tokens, params)
         except EngineDeadError as exc:
             self._failure = f"the vLLM engine died: {exc}"
             raise EngineError(self._failure) from None

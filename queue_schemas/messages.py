@@ -7,7 +7,7 @@ Every message carries the schema version `v`; a consumer rejects versions it doe
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -343,6 +343,9 @@ class KvReady(Message):
     ok: bool
     prefill_s: float = Field(ge=0.0, description="from the job's arrival to the KV saved")
     error: str | None = Field(default=None, max_length=2000)
+    remote: dict[str, Any] | None = Field(
+        default=None, description="an engine-to-engine connector's transfer parameters, for the decode side"
+    )
 
 
 class CancelNotice(Message):

@@ -9,7 +9,9 @@
 - llmd: llm-d's precise-prefix-cache benchmark as llm-d describes it (llmd_experiment.py);
 - scale: 64 replicas and one hour of shared-prefix traffic, timed;
 - lora: 50 LoRA adapters of Zipf popularity over 8 replicas holding 8 each: sluice's adapter-affinity
-  placement against the same placement blind to adapters and the baselines.
+  placement against the same placement blind to adapters and the baselines;
+- disagg: prefill/decode disaggregation on 8 replicas (disagg.py): sluice's per-request split decision
+  against never, always and llm-d's threshold rule, each at its best prefill/decode ratio.
 
 Each cell of a table over seeds is the median over the seeds with the [min-max] range beside it.
 Runs go over `--jobs` processes; each run is seeded, so the tables do not depend on the number of jobs.
@@ -394,6 +396,12 @@ def llmd(args: argparse.Namespace) -> None:
     experiment(args.seeds, args.jobs)
 
 
+def disagg(args: argparse.Namespace) -> None:
+    from bench.sim.disagg import main as experiment
+
+    experiment(args.seeds, args.jobs, args.duration, args.loads, args.all)
+
+
 def plot_placement(by_views: dict[str, dict[float, dict[str, list[Result]]]], path: Path) -> None:
     import matplotlib
 
@@ -446,7 +454,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "experiment", choices=["placement", "workloads", "priority", "scaling", "llmd", "scale", "lora"]
+        "experiment",
+        choices=["placement", "workloads", "priority", "scaling", "llmd", "scale", "lora", "disagg"],
     )
     parser.add_argument("--seed", type=int, default=1, help="for `scale`")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -468,11 +477,13 @@ def main() -> None:
     parser.add_argument(
         "--scalers", nargs="+", default=list(SCALERS), choices=SCALERS, help="for `scaling`: which rules"
     )
+    parser.add_argument("--loads", type=float, nargs="+", default=[1.0, 1.5], help="for `disagg`: x rates")
+    parser.add_argument("--all", action="store_true", help="for `disagg`: every configuration, not the best")
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     args = parser.parse_args()
     experiments = {
         "placement": placement, "workloads": workloads, "priority": priority, "scaling": scaling,
-        "llmd": llmd, "scale": scale, "lora": lora,
+        "llmd": llmd, "scale": scale, "lora": lora, "disagg": disagg,
     }  # fmt: skip
     experiments[args.experiment](args)
 

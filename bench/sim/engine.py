@@ -99,6 +99,7 @@ class Request:
     preempted: int = 0  # times the engine preempted it
     adapter: int = -1  # its LoRA adapter (-1: the base model)
     adapter_loads: int = 0  # times its admission loaded its adapter
+    loaded: bool = False  # its prompt's KV was handed over by a prefill worker (bench.sim.disagg)
 
     @property
     def band(self) -> int:
@@ -267,7 +268,9 @@ class Replica:
             if not self._adapter_fits(r.adapter):
                 at += 1
                 continue
-            matched = leading_cached(self.cache, r.blocks)
+            matched = (
+                len(r.blocks) if r.loaded and not seq.generated else leading_cached(self.cache, r.blocks)
+            )
             uncached = max(1, r.prompt_tokens + seq.generated - matched * m.block_size)
             need = math.ceil((uncached + r.output_tokens - seq.generated) / m.block_size)
             if need > self.free_blocks and m.scheduling == "priority":

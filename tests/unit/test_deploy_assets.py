@@ -70,6 +70,8 @@ def settings_from(cls: type[BaseSettings], env: dict[str, str]) -> BaseSettings:
     """Build a service's settings from SLUICE_* values exactly as the process would; unknown names fail."""
     fields = {}
     for name, value in env.items():
+        if name.startswith("VLLM_"):  # the engine's own settings
+            continue
         assert name.startswith("SLUICE_"), name
         field = name.removeprefix("SLUICE_").lower()
         assert field in cls.model_fields, f"{name} is not a setting of {cls.__name__}"
@@ -115,14 +117,19 @@ def test_compose_has_a_dispatcher_and_a_gpu_worker_per_pool() -> None:
     services = compose()["services"]
     for pool in pools().pools:
         assert services[f"dispatcher-{pool.name}"]["command"] == ["dispatcher", "--pool", pool.name]
-        worker = services[f"worker-{pool.name}"]
-        assert worker["command"] == ["worker", "--pool", pool.name]
-        (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
-        assert device["count"] == pool.tensor_parallel_size
-        assert "gpu" in device["capabilities"]
-        state_file = worker["environment"]["SLUICE_STATE_FILE"]
-        assert state_file in " ".join(worker["healthcheck"]["test"])
-        assert worker["shm_size"]
+        names = [f"worker-{pool.name}"] + ([f"worker-{pool.name}-prefill"] if pool.scaling.prefill else [])
+        for name in names:
+            worker = services[name]
+            assert worker["command"] == ["worker", "--pool", pool.name]
+            (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+            assert device["count"] == pool.tensor_parallel_size
+            assert "gpu" in device["capabilities"]
+            state_file = worker["environment"]["SLUICE_STATE_FILE"]
+            assert state_file in " ".join(worker["healthcheck"]["test"])
+            assert worker["shm_size"]
+            assert worker["environment"].get("SLUICE_ROLE") == (
+                "prefill" if name.endswith("-prefill") else None
+            )
 
 
 def test_prometheus_scrapes_every_compose_service_on_its_port() -> None:
@@ -228,7 +235,9 @@ def test_gpu_workers_scaler_rbac_and_readiness_follow_the_pools() -> None:
     assert scaler_env["SLUICE_BACKEND"] == "kubernetes"
     (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "sluice-scaler"]
     (scale_rule,) = [r for r in role["rules"] if "deployments/scale" in r["resources"]]
-    assert set(scale_rule["resourceNames"]) == {workload.format(pool=p.name) for p in pools().pools}
+    workloads = {workload.format(pool=p.name) for p in pools().pools}
+    workloads |= {workload.format(pool=p.name) + "-prefill" for p in pools().pools if p.scaling.prefill}
+    assert set(scale_rule["resourceNames"]) == workloads
     assert set(scale_rule["verbs"]) == {"get", "patch"}
     assert all("deployments" not in r["resources"] for r in role["rules"]), "only the scale subresource"
     (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
@@ -236,8 +245,10 @@ def test_gpu_workers_scaler_rbac_and_readiness_follow_the_pools() -> None:
     assert binding["subjects"][0]["name"] == "sluice-scaler"
     (scaler_deployment,) = [d for d, c in containers() if c["args"][0] == "scaler"]
     assert scaler_deployment["spec"]["template"]["spec"]["serviceAccountName"] == "sluice-scaler"
-    for pool in pools().pools:
-        (worker,) = [d for d in docs if d["metadata"]["name"] == workload.format(pool=pool.name)]
+    for name, pool in [
+        (w, p) for p in pools().pools for w in workloads if w.startswith(workload.format(pool=p.name))
+    ]:
+        (worker,) = [d for d in docs if d["metadata"]["name"] == name]
         spec = worker["spec"]["template"]["spec"]
         (c,) = spec["containers"]
         assert c["args"] == ["worker", "--pool", pool.name]
@@ -251,6 +262,11 @@ def test_gpu_workers_scaler_rbac_and_readiness_follow_the_pools() -> None:
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         drain = float(env["SLUICE_DRAIN_TIMEOUT_S"]["value"])
         assert spec["terminationGracePeriodSeconds"] > drain
+        role = env.get("SLUICE_ROLE", {}).get("value")
+        assert role == ("prefill" if name.endswith("-prefill") else None)
+        if pool.vllm is not None and pool.vllm.kv_connector is not None:  # NIXL's side channel: the pod IP
+            host = env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert host == "status.podIP"
 
 
 def test_least_privilege_in_the_assets() -> None:

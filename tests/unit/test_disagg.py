@@ -164,6 +164,22 @@ def test_connector_parameters_round_trip_and_refuse_anything_else() -> None:
     assert parse_params({"sluice_handoff": hid, "load": "yes"}) is None
 
 
+def test_an_engine_to_engine_connector_gets_the_prefill_s_own_parameters() -> None:
+    hid = secrets.token_hex(16)
+    assert transfer_params(KvTransfer(hid, True), shared_storage=False) == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+    }
+    remote = {
+        "remote_engine_id": "e1",
+        "remote_block_ids": [3, 4],
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+    }
+    decode = transfer_params(KvTransfer(hid, False, remote), shared_storage=False)
+    assert decode == {**remote, "do_remote_prefill": True, "do_remote_decode": False}
+
+
 def test_kv_folders_are_named_by_handoff_id_only(tmp_path: Path) -> None:
     hid = secrets.token_hex(16)
     assert kv_folder(tmp_path, hid) == tmp_path / hid
@@ -254,6 +270,7 @@ def test_the_handoff_connector_is_loaded_from_sluice_and_a_prefill_step_takes_a_
     transfer = prefill["kv_transfer_config"]
     assert transfer["kv_connector_module_path"] == HANDOFF_CONNECTOR_MODULE
     assert transfer["kv_role"] == "kv_producer"
+    assert transfer["kv_load_failure_policy"] == "recompute"
     assert prefill["max_num_batched_tokens"] == config.context_tokens
     decode = engine_arguments(config, Path("/m"), False, None, on_gpu=False, role="decode")
     assert decode["kv_transfer_config"]["kv_role"] == "kv_consumer"
