@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dispatcher.service import Dispatcher
 from dispatcher.settings import DispatcherSettings
+from gpu_workers.main import handoff_desk
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
@@ -35,6 +36,7 @@ from queue_schemas.messages import (
     FinalChunk,
     Heartbeat,
     InferenceRequest,
+    KvRole,
     SamplingParams,
     StreamEvent,
     TokenChunk,
@@ -133,10 +135,12 @@ async def pipeline(
     workers: int = 1,
     engine: SimulatedEngineConfig | None = None,
     engines: list[SimulatedEngineConfig] | None = None,
+    roles: list[KvRole] | None = None,
     **dispatcher_overrides: object,
 ) -> AsyncIterator[Pipeline]:
     """A dispatcher and `workers` simulated workers for `pool`, under a fresh prefix; stopped on exit.
-    `engines` gives each worker its own engine settings (and sets how many workers there are)."""
+    `engines` gives each worker its own engine settings (and sets how many workers there are); `roles`
+    each worker's role, in a pool that splits prefill from decode."""
     settings = bus.settings(DispatcherSettings, pool=pool, **dispatcher_overrides)
     assert isinstance(settings, DispatcherSettings)
     names = settings.names
@@ -146,23 +150,19 @@ async def pipeline(
     redis = redis_client(settings)
     configs = engines or [engine or SimulatedEngineConfig(ttft_ms=5, token_ms=1)] * workers
     worker_ids = [f"w{i}" for i in range(len(configs))]
-    fleet = [
-        Worker(
-            WorkerSettings(
-                **{
-                    **settings.model_dump(),
-                    "worker_id": wid,
-                    "heartbeat_interval_s": 0.2,
-                    "drain_timeout_s": 5,
-                }
-            ),
-            SimulatedEngine(config, block_size=16),
-            redis,
-            "sluice-sim",
-            max_running=config.max_running,
-        )
-        for wid, config in zip(worker_ids, configs, strict=True)
-    ]
+    pool_config = settings.load_pools().pool(pool)
+    fleet = []
+    for i, (wid, config) in enumerate(zip(worker_ids, configs, strict=True)):
+        fields = {
+            **settings.model_dump(),
+            "worker_id": wid,
+            "heartbeat_interval_s": 0.2,
+            "drain_timeout_s": 5,
+        }
+        worker_settings = WorkerSettings(**{**fields, "role": roles[i] if roles else "both"})
+        engine_ = SimulatedEngine(config, block_size=16)
+        desk = handoff_desk(pool_config, worker_settings, engine_, redis)
+        fleet.append(Worker(worker_settings, engine_, redis, "sluice-sim", config.max_running, handoffs=desk))
     consumer = AIOKafkaConsumer(**consumer_options(settings, names.dispatcher_group(pool)))
     producer = AIOKafkaProducer(**producer_options(settings))
     await consumer.start()

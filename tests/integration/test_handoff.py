@@ -1,0 +1,97 @@
+"""Prefill/decode handoffs through the live dispatcher and workers on the real bus (simulated engines): a
+long prompt is split onto the prefill worker and its KV counted as loaded, a short one is not, a handoff
+a Kafka record claims for itself is ignored, and a prefill worker too slow for the wait leaves a local
+prefill with the same answer."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from gpu_workers.simulated import reply_text
+from queue_schemas.config import SimulatedEngineConfig
+from queue_schemas.messages import FinalChunk, Handoff, InferenceRequest, TokenChunk
+from queue_schemas.prefix import block_hashes
+from tests.conftest import Bus
+from tests.integration.helpers import make_request, pipeline
+from tests.integration.test_dispatch_path import send_and_collect
+
+pytestmark = pytest.mark.timeout(60)
+
+SPLIT_POOL = """
+[[pools]]
+name = "sim"
+model = "sluice-sim"
+[pools.scaling.prefill]
+min_replicas = 1
+max_replicas = 1
+[pools.disaggregation]
+mode = "threshold"
+threshold_tokens = 160
+handoff_wait_s = {wait}
+"""
+DECODE = SimulatedEngineConfig(ttft_ms=5, token_ms=1)
+
+
+def prompt_request(rid: str, tokens: int) -> InferenceRequest:
+    req = make_request("sim", rid, max_tokens=20)
+    prompt = tuple((i * 7) % 200 + 30 for i in range(tokens))
+    return req.model_copy(
+        update={"prompt_token_ids": prompt, "block_hashes": tuple(block_hashes(prompt, 16))}
+    )
+
+
+def text_of(events: Sequence[object]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokenChunk | FinalChunk))
+
+
+async def test_a_long_prompt_is_split_and_a_short_one_is_not(bus: Bus, tmp_path: Path) -> None:
+    config = tmp_path / "pools.toml"
+    config.write_text(SPLIT_POOL.format(wait=10))
+    async with pipeline(bus, engines=[DECODE, DECODE], roles=["decode", "prefill"], config=config) as p:
+        names = p.settings.names
+        # A record that names its own handoff (to a worker of its choosing) gets the dispatcher's instead.
+        forged = Handoff(id=secrets.token_hex(16), prefill_worker="ghost", wait_s=600)
+        long = prompt_request("req-split-long-0001", 300).model_copy(update={"handoff": forged})
+        events = await send_and_collect(p, long)
+        final = events[-1]
+        assert isinstance(final, FinalChunk), events
+        assert final.worker_id == "w0"
+        assert text_of(events) == reply_text(long)[:20]
+        record = await p.redis.hgetall(names.handoff(long.request_id))
+        assert record[b"prefill_worker"] == b"w1"
+        assert record[b"decode_worker"] == b"w0"
+        assert record[b"outcome"] == b"loaded"
+        # The loaded KV counts as cached: whole blocks of the prompt less its last token.
+        assert final.usage.cached_tokens == (300 - 1) // 16 * 16
+        short = prompt_request("req-split-short-001", 100)
+        events = await send_and_collect(p, short)
+        assert isinstance(events[-1], FinalChunk)
+        assert events[-1].worker_id == "w0"
+        assert text_of(events) == reply_text(short)[:20]
+        assert await p.redis.exists(names.handoff(short.request_id)) == 0
+        totals = await p.redis.hgetall(names.handoff_totals("sim"))
+        assert int(totals[b"loaded"]) == 1
+        assert b"fallback" not in totals
+
+
+async def test_a_prefill_worker_slower_than_the_wait_leaves_a_local_prefill(bus: Bus, tmp_path: Path) -> None:
+    config = tmp_path / "pools.toml"
+    config.write_text(SPLIT_POOL.format(wait=0.5))
+    slow = SimulatedEngineConfig(ttft_ms=3000, token_ms=1)
+    async with pipeline(bus, engines=[DECODE, slow], roles=["decode", "prefill"], config=config) as p:
+        req = prompt_request("req-split-slow-0001", 300)
+        started = time.monotonic()
+        events = await send_and_collect(p, req)
+        elapsed = time.monotonic() - started
+        final = events[-1]
+        assert isinstance(final, FinalChunk), events
+        assert text_of(events) == reply_text(req)[:20]
+        assert final.usage.cached_tokens == 0  # prefilled where it decoded
+        record = await p.redis.hgetall(p.settings.names.handoff(req.request_id))
+        assert record[b"outcome"] == b"timed out"
+        assert elapsed < 3.0, "the decode worker did not wait for the slow prefill"
