@@ -227,6 +227,8 @@ class Cell:
     itl_p90: float
     slo: float  # share of requests with TTFT <= 2 s and mean ITL <= 100 ms (unfinished count as missed)
     split: float  # share of requests split
+    slo_range: tuple[float, float] = (0.0, 0.0)  # over the seeds
+    ttft_p90_range: tuple[float, float] = (0.0, 0.0)
 
 
 def workload_at(name: str, load: float, duration_s: float) -> Workload:
@@ -257,6 +259,8 @@ def cell(run: SplitRun, results: Sequence[SplitResult]) -> Cell:
     def median(values: Iterable[float]) -> float:
         return statistics.median(values)
 
+    slos = [r.good / max(1, r.finished + r.unfinished) for r in results]
+    p90s = [r.ttft.quantile(0.9) for r in results]
     return Cell(
         run.policy,
         run.prefill,
@@ -266,6 +270,8 @@ def cell(run: SplitRun, results: Sequence[SplitResult]) -> Cell:
         median(r.itl.quantile(0.9) for r in results),
         median(r.good / max(1, r.finished + r.unfinished) for r in results),
         median(r.split / max(1, r.finished + r.unfinished) for r in results),
+        (min(slos), max(slos)),
+        (min(p90s), max(p90s)),
     )
 
 
@@ -278,16 +284,21 @@ def best(cells: Sequence[Cell], family: str) -> Cell:
 
 def row(c: Cell, gpus: int) -> str:
     ratio = f"{c.prefill}P:{gpus - c.prefill}D" if c.prefill else f"{gpus} whole"
+    lo, hi = c.ttft_p90_range
+    p90 = f"{c.ttft_p90 * 1000:,.0f}" + (f" [{lo * 1000:,.0f}-{hi * 1000:,.0f}]" if hi > lo else "")
+    slo = f"{c.slo:.1%}" + (
+        f" [{c.slo_range[0]:.1%}-{c.slo_range[1]:.1%}]" if c.slo_range[1] > c.slo_range[0] else ""
+    )
     return (
-        f"| {c.policy} | {ratio} | {c.ttft_p50 * 1000:,.0f} | {c.ttft_p90 * 1000:,.0f} "
-        f"| {c.itl_p50 * 1000:.1f} | {c.itl_p90 * 1000:.1f} | {c.slo:.1%} | {c.split:.0%} |"
+        f"| {c.policy} | {ratio} | {c.ttft_p50 * 1000:,.0f} | {p90} "
+        f"| {c.itl_p50 * 1000:.1f} | {c.itl_p90 * 1000:.1f} | {slo} | {c.split:.0%} |"
     )
 
 
 def main(
     seeds: Sequence[int], jobs: int, duration_s: float, loads: Sequence[float], show_all: bool = False
 ) -> None:
-    gpus, prefill_counts, thresholds = 8, (1, 2, 4), (256, 1024, 4096)
+    gpus, prefill_counts, thresholds = 8, (1, 2, 3, 4, 6), (256, 1024, 4096)
     for load in loads:
         for name in ("shared-prefix", "multi-turn", "bursty-code"):
             w = workload_at(name, load, duration_s)
@@ -299,9 +310,14 @@ def main(
             print(f"\n**{w.name}, load x{load:g}: {w.description}; {gpus} replicas, {duration_s:.0f} s**\n")
             print(HEADER)
             print("| --- " * 8 + "|")
-            shown = cells if show_all else [best(cells, f) for f in ("never", "always", "threshold", "auto")]
-            for c in shown:
+            for c in [best(cells, f) for f in ("never", "always", "threshold", "auto")]:
                 print(row(c, gpus))
+            if show_all:
+                print("\nEvery configuration:\n")
+                print(HEADER)
+                print("| --- " * 8 + "|")
+                for c in cells:
+                    print(row(c, gpus))
 
 
 def _one(task: tuple[SplitRun, str, float, float, int]) -> SplitResult:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from bench.sim.disagg import SplitFleet, SplitResult, SplitRun
 from bench.sim.engine import Replica, Request, Seq, TimingModel, leading_cached
 from bench.sim.fleet import FleetState, simulate
 from bench.sim.metrics import Sketch, Stats, percentile, summarize, violation_minutes
@@ -356,3 +357,46 @@ def test_sluice_places_a_tenants_repeat_requests_where_its_prefix_is_cached() ->
         assert s.hit_rate > 0.9
         assert violation_minutes(out.stats, 60.0, 2.0, out.unfinished) == 0
     assert violation_minutes(Stats(minutes={}), 60.0, 2.0, unfinished=1) == 1
+
+
+# prefill/decode disaggregation (bench/sim/disagg.py)
+def test_a_loaded_prompt_is_not_prefilled_again_on_the_decode_replica() -> None:
+    loaded = request(1, "p", 40, 5)
+    loaded.loaded = True
+    cold = request(2, "q", 40, 5)
+    times = []
+    for r in (loaded, cold):
+        replica = Replica(0, MODEL)
+        run_alone(replica, r)
+        times.append(r.first_token - r.arrival)
+    assert loaded.cached_tokens == 40 * 16
+    assert times[0] < times[1] / 2
+
+
+def split_run(policy: str, prefill: int) -> SplitResult:
+    workload = shared_prefix(rate=8.0, tenants=4, context=2000, duration_s=20.0)
+    fleet = SplitFleet(SplitRun(policy, 4, prefill), MODEL, seed=3)
+    return fleet.run_all(workload.requests(random.Random(3)), workload.duration_s)
+
+
+def test_the_split_fleet_finishes_every_request_under_every_policy() -> None:
+    from bench.sim.disagg import SplitResult
+
+    results = {
+        p: split_run(p, 0 if p == "never" else 1) for p in ("never", "always", "threshold:512", "auto")
+    }
+    for policy, result in results.items():
+        assert isinstance(result, SplitResult)
+        assert result.unfinished == 0, policy
+        assert result.finished > 100, policy
+    counts = {p: r.split for p, r in results.items() if isinstance(r, SplitResult)}
+    finished = {p: r.finished for p, r in results.items() if isinstance(r, SplitResult)}
+    assert counts["never"] == 0
+    assert counts["always"] == finished["always"]
+    # The threshold rule splits the cold prompts (2000 uncached tokens), not the warm ones.
+    assert 0 < counts["threshold:512"] < finished["threshold:512"]
+
+
+def test_the_aggregated_baseline_has_no_prefill_replicas() -> None:
+    with pytest.raises(ValueError, match="no prefill workers"):
+        SplitFleet(SplitRun("never", 4, 1), MODEL, seed=1)
