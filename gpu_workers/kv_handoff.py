@@ -34,8 +34,10 @@ class SluiceHandoffConnector(ExampleConnector):  # type: ignore[misc]
         self._handoffs[request.request_id] = kv
         if kv.save:
             return 0, False
-        matched: tuple[int | None, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        return matched
+        count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if count is None or count <= 0:  # its own prefix cache holds at least as much
+            return 0, False
+        return count, asynchronous
 
     def _found_match_for_request(self, request: Any) -> bool:
         kv = self._handoffs.get(request.request_id)

@@ -276,7 +276,8 @@ class Worker:
             settled = (
                 now - started >= self.settings.drain_grace_s and not self._tasks and self._inbox_seen_empty
             )
-            return settled or now >= deadline
+            jobs_done = self.handoffs is None or self.handoffs.backlog == 0  # a prefill worker's queue
+            return (settled and jobs_done) or now >= deadline
 
         self._inbox_seen_empty = False
         await self._consume(until=drained)
