@@ -6,7 +6,8 @@ live and where the prefix index says how much of the prompt is cached. Then, in 
 ways of running the uncached prompt are priced in seconds:
 
 - here: the decode worker prefills it at its own rate; its first token waits that long, and so does the
-  next token of every request already running there (a prefill step stalls the decode batch);
+  next token of every request already running there (a prefill step stalls the decode batch) and the
+  start of every request waiting there;
 - split: the prefill worker first finishes what is queued at it, computes the prompt less what it has
   cached itself, and the KV of the whole prompt is moved (a fixed cost plus a cost per token); loading
   it stalls the decode worker's running requests only for the transfer.
@@ -51,6 +52,7 @@ class SplitCase:
     decode_cached: int  # prompt tokens the decode worker holds (its prefix index)
     decode_running: int  # requests running on the decode worker
     decode_rate: float  # prompt tokens per second the decode worker prefills
+    decode_waiting: int = 0  # requests waiting at the decode worker (a local prefill delays them too)
     prefill_cached: int = 0
     prefill_backlog: int = 0  # prompt tokens queued at the prefill worker
     prefill_rate: float = 1.0
@@ -68,7 +70,7 @@ def costs(case: SplitCase, config: DisaggregationConfig) -> tuple[float, float]:
     """The cost in seconds of prefilling on the decode worker, and of the split (see the module doc)."""
     uncached = max(0, case.prompt_tokens - case.decode_cached)
     here = uncached / max(case.decode_rate, 1e-9)
-    local = here + config.stall_weight * case.decode_running * here
+    local = here + config.stall_weight * (case.decode_running + case.decode_waiting) * here
     transfer = config.transfer_fixed_s + config.transfer_s_per_token * case.prompt_tokens
     compute = max(0, case.prompt_tokens - case.prefill_cached) / max(case.prefill_rate, 1e-9)
     wait = case.prefill_backlog / max(case.prefill_rate, 1e-9)
@@ -132,6 +134,7 @@ def split_case(
     decode_cached: int,
     side: PrefillSide,
     config: DisaggregationConfig,
+    decode_waiting: int = 0,
 ) -> SplitCase:
     """The case for one decode worker and one prefill worker. A decode worker that has not measured its
     prefill rate is taken to prefill as fast as the prefill worker (the same model on the same kind of
@@ -142,6 +145,7 @@ def split_case(
         decode_cached=decode_cached,
         decode_running=decode.running,
         decode_rate=prefill_rate(decode, side_rate),
+        decode_waiting=decode_waiting,
         prefill_cached=side.matched_tokens,
         prefill_backlog=side.backlog(),
         prefill_rate=side_rate,

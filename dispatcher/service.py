@@ -343,7 +343,8 @@ class Dispatcher:
         if side is None:
             metrics.SPLITS.labels(self.pool, "local", "no prefill worker ready").inc()
             return None
-        case = split_case(prompt, decode, matched_blocks * self.block_size, side, config)
+        waiting = self.view.waiting(decode_worker)
+        case = split_case(prompt, decode, matched_blocks * self.block_size, side, config, waiting)
         verdict = decide_split(case, config)
         metrics.SPLITS.labels(self.pool, "split" if verdict.split else "local", verdict.reason).inc()
         if not verdict.split:

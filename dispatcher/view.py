@@ -93,6 +93,14 @@ class WorkerView:
             )
         return out
 
+    def waiting(self, worker_id: str) -> int:
+        """Requests waiting at the worker: its last heartbeat's, plus what was placed on it since."""
+        hb = self.heartbeats.get(worker_id)
+        if hb is None:
+            return 0
+        since = sum(1 for t, _ in self._placed[worker_id] if t > hb.sent_at)
+        return hb.waiting + hb.inbox_pending + since
+
     def prefill_sides(self, block_hashes: Sequence[str]) -> list[PrefillSide]:
         """The pool's prefill workers, with the prompt tokens sent to each since its heartbeat and how
         much of this prompt each holds."""

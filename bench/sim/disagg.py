@@ -52,11 +52,10 @@ class Transfer:
 
 @dataclass
 class SplitRun:
-    policy: str  # never, always, threshold:T, auto
+    policy: str  # never, always, threshold:T, auto, auto:W
     gpus: int = 8  # replicas in all, prefill and decode
     prefill: int = 0  # of them, prefill-only
     transfer: Transfer = field(default_factory=Transfer)
-    stall_weight: float = 1.0
 
 
 @dataclass
@@ -76,14 +75,15 @@ def prefill_rate(model: TimingModel) -> float:
 
 
 def config_for(run: SplitRun, model: TimingModel) -> DisaggregationConfig:
-    mode, _, threshold = run.policy.partition(":")
+    """`threshold:T` sets the threshold; `auto:W` sets `stall_weight` (auto alone: the default, 1)."""
+    mode, _, arg = run.policy.partition(":")
     return DisaggregationConfig(
         mode=mode,  # type: ignore[arg-type]
-        threshold_tokens=int(threshold or 0),
+        threshold_tokens=int(arg) if mode == "threshold" else 0,
         transfer_fixed_s=run.transfer.fixed_s,
         transfer_s_per_token=run.transfer.per_token_s,
         prefill_tokens_per_s=prefill_rate(model),
-        stall_weight=run.stall_weight,
+        stall_weight=float(arg) if mode == "auto" and arg else 1.0,
     )
 
 
@@ -208,6 +208,7 @@ class SplitFleet:
             decode_cached=decode.matched(request.blocks) * block,
             decode_running=len(decode.running) + len(decode.prefilling),
             decode_rate=prefill_rate(decode.model),
+            decode_waiting=len(decode.waiting),
             prefill_cached=side.matched_tokens,
             prefill_backlog=side.backlog(),
             prefill_rate=prefill_rate(decode.model),
@@ -246,12 +247,14 @@ def one(run: SplitRun, workload: str, load: float, duration_s: float, seed: int)
     return fleet.run_all(w.requests(random.Random(seed)), w.duration_s)
 
 
-def configurations(gpus: int, prefill_counts: Sequence[int], thresholds: Sequence[int]) -> list[SplitRun]:
+def configurations(
+    gpus: int, prefill_counts: Sequence[int], thresholds: Sequence[int], stall_weights: Sequence[float]
+) -> list[SplitRun]:
     runs = [SplitRun("never", gpus, 0)]
     for p in prefill_counts:
         runs.append(SplitRun("always", gpus, p))
         runs.extend(SplitRun(f"threshold:{t}", gpus, p) for t in thresholds)
-        runs.append(SplitRun("auto", gpus, p))
+        runs.extend(SplitRun(f"auto:{w:g}", gpus, p) for w in stall_weights)
     return runs
 
 
@@ -277,7 +280,8 @@ def cell(run: SplitRun, results: Sequence[SplitResult]) -> Cell:
 
 def best(cells: Sequence[Cell], family: str) -> Cell:
     """The family's configuration its users would pick: the most requests within the SLO, then the lowest
-    p90 TTFT (each policy tuned over its prefill/decode ratio, the threshold rule also over T)."""
+    p90 TTFT (each policy tuned over its prefill/decode ratio, the threshold rule also over T, sluice's
+    also over its stall weight)."""
     mine = [c for c in cells if c.policy.split(":")[0] == family]
     return max(mine, key=lambda c: (round(c.slo, 4), -c.ttft_p90))
 
@@ -298,11 +302,11 @@ def row(c: Cell, gpus: int) -> str:
 def main(
     seeds: Sequence[int], jobs: int, duration_s: float, loads: Sequence[float], show_all: bool = False
 ) -> None:
-    gpus, prefill_counts, thresholds = 8, (1, 2, 3, 4, 6), (256, 1024, 4096)
+    gpus, prefill_counts, thresholds, stall_weights = 8, (1, 2, 3, 4, 6), (256, 1024, 4096), (1.0, 4.0)
     for load in loads:
         for name in ("shared-prefix", "multi-turn", "bursty-code"):
             w = workload_at(name, load, duration_s)
-            runs = configurations(gpus, prefill_counts, thresholds)
+            runs = configurations(gpus, prefill_counts, thresholds, stall_weights)
             tasks = [(run, name, load, duration_s, seed) for run in runs for seed in seeds]
             with ProcessPoolExecutor(jobs) as pool:
                 results = list(pool.map(_one, tasks))

@@ -83,6 +83,15 @@ def test_on_an_idle_decode_worker_the_prompt_prefills_where_it_decodes() -> None
     assert verdict.reason == "local is cheaper"
 
 
+def test_requests_waiting_at_the_decode_worker_count_against_a_local_prefill() -> None:
+    idle = case(decode_running=0)
+    assert not decide_split(idle, AUTO).split
+    # Two requests wait there: a local prefill of 1 s holds each of them up a second.
+    verdict = decide_split(case(decode_running=0, decode_waiting=2), AUTO)
+    assert verdict.local_s == pytest.approx(3.0)
+    assert verdict.split
+
+
 def test_a_cached_prefix_keeps_the_prefill_local() -> None:
     assert not decide_split(case(decode_cached=3900), AUTO).split  # 100 uncached tokens
     # Not so under llm-d's threshold rule on the uncached part either; but a threshold of 0 splits it.
@@ -117,9 +126,10 @@ def test_costs_are_seconds() -> None:
 
 def test_an_unmeasured_decode_worker_is_taken_to_prefill_as_fast_as_the_prefill_worker() -> None:
     side = PrefillSide(beat("p0", "prefill", rate=3000.0, backlog=600), sent_tokens=400, matched_tokens=64)
-    c = split_case(5000, beat("d0", running=3), 1024, side, AUTO)
+    c = split_case(5000, beat("d0", running=3), 1024, side, AUTO, decode_waiting=2)
     assert (c.decode_rate, c.prefill_rate, c.prefill_backlog, c.prefill_cached) == (3000.0, 3000.0, 1000, 64)
     assert c.decode_running == 3
+    assert c.decode_waiting == 2
     assert c.decode_cached == 1024
     unmeasured = split_case(5000, beat("d0"), 0, PrefillSide(beat("p0", "prefill")), AUTO)
     assert unmeasured.decode_rate == unmeasured.prefill_rate == AUTO.prefill_tokens_per_s
@@ -147,6 +157,9 @@ def test_the_view_never_places_a_request_on_a_prefill_worker() -> None:
     view.on_heartbeat(beat("p0", "prefill", rate=2000.0))
     assert [w.worker_id for w in view.snapshot([])] == ["d0"]
     assert view.table.ids == ["d0"]
+    assert view.waiting("d0") == 0
+    view.record_placement("d0", 4, ["x"])
+    assert view.waiting("d0") == 1
     view.record_prefill("p0", 700, ["a", "b"])
     [side] = view.prefill_sides(["a", "b", "c"])
     assert (side.worker_id, side.sent_tokens, side.matched_tokens) == ("p0", 700, 32)
