@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 from gpu_workers.simulated import reply_text
+from queue_schemas.codec import decode, encode
 from queue_schemas.config import SimulatedEngineConfig
-from queue_schemas.messages import FinalChunk, Handoff, InferenceRequest, TokenChunk
+from queue_schemas.messages import FinalChunk, Handoff, Heartbeat, InferenceRequest, TokenChunk
 from queue_schemas.prefix import block_hashes
 from tests.conftest import Bus
-from tests.integration.helpers import make_request, pipeline
+from tests.integration.helpers import Pipeline, make_request, pipeline
 from tests.integration.test_dispatch_path import send_and_collect
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,9 +39,9 @@ handoff_wait_s = {wait}
 DECODE = SimulatedEngineConfig(ttft_ms=5, token_ms=1)
 
 
-def prompt_request(rid: str, tokens: int) -> InferenceRequest:
+def prompt_request(rid: str, tokens: int, seed: int = 0) -> InferenceRequest:
     req = make_request("sim", rid, max_tokens=20)
-    prompt = tuple((i * 7) % 200 + 30 for i in range(tokens))
+    prompt = tuple((i * 7 + seed) % 200 + 30 for i in range(tokens))
     return req.model_copy(
         update={"prompt_token_ids": prompt, "block_hashes": tuple(block_hashes(prompt, 16))}
     )
@@ -95,3 +97,49 @@ async def test_a_prefill_worker_slower_than_the_wait_leaves_a_local_prefill(bus:
         record = await p.redis.hgetall(p.settings.names.handoff(req.request_id))
         assert record[b"outcome"] == b"timed out"
         assert elapsed < 3.0, "the decode worker did not wait for the slow prefill"
+
+
+AUTO_POOL = """
+[[pools]]
+name = "sim"
+model = "sluice-sim"
+[pools.scaling.prefill]
+min_replicas = 1
+max_replicas = 1
+[pools.disaggregation]
+mode = "auto"
+"""
+
+
+async def test_auto_splits_a_long_prompt_only_while_the_decode_worker_is_busy(
+    bus: Bus, tmp_path: Path
+) -> None:
+    config = tmp_path / "pools.toml"
+    config.write_text(AUTO_POOL)
+    decode = SimulatedEngineConfig(ttft_ms=5, token_ms=30)
+    async with pipeline(bus, engines=[decode, DECODE], roles=["decode", "prefill"], config=config) as p:
+        names = p.settings.names
+        # Idle: prefilling 2,000 tokens where it decodes (1 s at the pool's default rate) is cheaper than
+        # the same on the prefill worker plus the transfer.
+        idle = prompt_request("req-auto-idle-00001", 2000)
+        events = await send_and_collect(p, idle)
+        assert isinstance(events[-1], FinalChunk)
+        assert await p.redis.exists(names.handoff(idle.request_id)) == 0
+        # Busy: a local prefill would also hold up the requests running there.
+        for i in range(4):
+            await p.producer.send_and_wait(
+                names.requests_topic("sim"),
+                encode(make_request("sim", f"req-auto-busy-{i:05d}", max_tokens=200)),
+            )
+        await eventually(lambda: running_at_least(p, "w0", 3), 10, "the decode worker runs the slow requests")
+        busy = prompt_request("req-auto-busy-long1", 2000, seed=1)  # not the cached one
+        events = await send_and_collect(p, busy)
+        assert isinstance(events[-1], FinalChunk), events
+        assert text_of(events) == reply_text(busy)[:20]
+        record = await p.redis.hgetall(names.handoff(busy.request_id))
+        assert record[b"outcome"] == b"loaded"
+
+
+async def running_at_least(p: Pipeline, worker_id: str, count: int) -> bool:
+    raw = await p.redis.get(p.settings.names.heartbeat("sim", worker_id))
+    return raw is not None and decode(Heartbeat, raw).running >= count
