@@ -136,7 +136,11 @@ class HandoffDesk:
                     self._current = 0
             if self._storage is not None and time.monotonic() - swept > SWEEP_EVERY_S:
                 swept = time.monotonic()
-                removed = await asyncio.to_thread(sweep, self._storage, self._kv_ttl_s)
+                try:
+                    removed = await asyncio.to_thread(sweep, self._storage, self._kv_ttl_s)
+                except OSError as exc:
+                    log.warning("handoff KV not swept", error=str(exc))
+                    continue
                 if removed:
                     log.info("removed handoff KV left behind", folders=removed)
 
@@ -158,17 +162,24 @@ class HandoffDesk:
             return
         error = None
         remote = None
+        computed = len(request.prompt_token_ids)
         try:
             kv = KvTransfer(job.handoff_id, save=True)
             async for out in self._engine.generate(prefill_request(request), kv):
                 remote = out.kv_params or remote
+                computed = out.prompt_tokens - out.cached_tokens if out.prompt_tokens else computed
             if self._storage is not None:
                 error = await asyncio.to_thread(self._check_saved, job)
         except EngineError as exc:
             error = f"prefill failed: {exc}"
+        except Exception as exc:  # a fault of this job alone: it fails, the worker goes on
+            log.error(
+                "prefill job raised", request_id=request.request_id, error=type(exc).__name__, exc_info=True
+            )
+            error = f"prefill failed: {type(exc).__name__}"
         seconds = time.monotonic() - started
         if error is None:
-            self.rate.record(len(request.prompt_token_ids), seconds)
+            self.rate.record(computed, seconds)
         else:
             log.warning("prefill job failed", request_id=request.request_id, error=error)
         metrics.PREFILL_JOBS.labels(self._pool, "ok" if error is None else "failed").inc()

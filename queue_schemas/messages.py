@@ -341,7 +341,7 @@ class KvReady(Message):
     handoff_id: HandoffId
     worker_id: Name
     ok: bool
-    prefill_s: float = Field(ge=0.0, description="from the job's arrival to the KV saved")
+    prefill_s: float = Field(ge=0.0, description="running the job: from its start to the KV saved")
     error: str | None = Field(default=None, max_length=2000)
     remote: dict[str, Any] | None = Field(
         default=None, description="an engine-to-engine connector's transfer parameters, for the decode side"
