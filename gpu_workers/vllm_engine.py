@@ -337,6 +337,11 @@ class VllmEngine:
         wanted = {"OMP_NUM_THREADS": str(config.cpu_threads or max(1, len(cores) // tp))}
         if tp > 1:
             wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cores, tp)
+        if config.kv_connector is not None:
+            # vLLM reserves one more core per rank for a KV connector; on a small machine that leaves
+            # none, and it binds the model to every core instead. Reserve as without a connector, so a
+            # pool's prefill and decode engines compute as a connector-less engine does.
+            wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
         return {k: v for k, v in wanted.items() if k not in os.environ}
 
     def _listen_for_kv_events(self) -> str:
