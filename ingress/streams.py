@@ -96,6 +96,11 @@ class StreamHub:
         assert self._cluster is None or node_client is not None, "a cluster hub needs per-node clients"
         self._node_client = node_client
         self._outage_s = outage_s
+        # How long a new subscription waits for its channel's primary: on a cluster, through a failover
+        # (a replica takes the slots after the cluster's node timeout), as a stream waits out an outage.
+        self._subscribe_wait_s = (
+            SUBSCRIBE_TIMEOUT_S if self._cluster is None else max(SUBSCRIBE_TIMEOUT_S, outage_s)
+        )
         self._control = control_channel.encode()
         self._subs: dict[bytes, list[Subscription]] = {}  # a channel may have several readers
         self._confirm: dict[bytes, asyncio.Future[None]] = {}
@@ -152,7 +157,7 @@ class StreamHub:
         confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._subs[key] = [sub]
         self._confirm[key] = confirmed
-        give_up = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+        give_up = time.monotonic() + self._subscribe_wait_s
         try:
             while True:
                 shard = None
@@ -195,7 +200,7 @@ class StreamHub:
         if pending is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(pending), SUBSCRIBE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(pending), self._subscribe_wait_s)
         except (HubDisconnected, TimeoutError) as exc:
             readers = self._subs.get(sub.channel)
             if readers is not None and sub in readers:
@@ -254,11 +259,11 @@ class StreamHub:
     async def _home(self, key: bytes) -> _Shard:
         """The connected shard that carries `key`, opened if needed; the channel is assigned to it. On a
         cluster whose primary for the slot is unreachable, the slot map is read again until a replica
-        has taken over, for up to SUBSCRIBE_TIMEOUT_S."""
+        has taken over, for up to the hub's subscribe wait."""
         if self._cluster is None:
             shard = self._shards[SINGLE]
         else:
-            give_up = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+            give_up = time.monotonic() + self._subscribe_wait_s
             while True:
                 shard = await self._shard_for(key)
                 try:
