@@ -12,8 +12,8 @@ ways of running the uncached prompt are priced in seconds:
   cached itself, and the KV of the whole prompt is moved (a fixed cost plus a cost per token); loading
   it stalls the decode worker's running requests only for the transfer.
 
-Each side's cost is its first-token time plus `stall_weight` times the stall it puts on running
-requests; the request is split when that is lower. `threshold` is llm-d's rule, `always` and `never`
+Each side's cost is its first-token time plus `stall_weight` times the stall it puts on other requests;
+the request is split when that is lower and at least `min_uncached_tokens` are uncached. `threshold` is llm-d's rule, `always` and `never`
 the two fixed policies, kept for comparison.
 """
 
