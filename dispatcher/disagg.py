@@ -13,8 +13,8 @@ ways of running the uncached prompt are priced in seconds:
   it stalls the decode worker's running requests only for the transfer.
 
 Each side's cost is its first-token time plus `stall_weight` times the stall it puts on other requests;
-the request is split when that is lower and at least `min_uncached_tokens` are uncached. `threshold` is llm-d's rule, `always` and `never`
-the two fixed policies, kept for comparison.
+the request is split when that is lower and at least `min_uncached_tokens` are uncached. `threshold` is
+llm-d's rule, `always` and `never` the two fixed policies, kept for comparison.
 """
 
 from __future__ import annotations
