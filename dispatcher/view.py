@@ -116,10 +116,7 @@ class WorkerView:
     def record_prefill(self, worker_id: str, tokens: int, block_hashes: Sequence[str]) -> None:
         """Count a prefill job's tokens at its worker until the next heartbeat; it now holds the prefix."""
         self._placed[worker_id].append((time.time(), tokens))
-        hb = self.heartbeats.get(worker_id)
-        if worker_id not in self.approximate:
-            self.approximate[worker_id] = ApproximateIndex(hb.kv_blocks_total if hb else 1024)
-        self.approximate[worker_id].record(block_hashes)
+        self._remember_prefix(worker_id, block_hashes)
 
     def matched(self, worker_id: str, block_hashes: Sequence[str]) -> int:
         hb = self.heartbeats.get(worker_id)
@@ -175,6 +172,10 @@ class WorkerView:
         """Count the placement as in flight until the next heartbeat, and remember its prefix."""
         self._placed[worker_id].append((time.time(), blocks))
         self.table.add_in_flight(worker_id, blocks)
+        self._remember_prefix(worker_id, block_hashes)
+
+    def _remember_prefix(self, worker_id: str, block_hashes: Sequence[str]) -> None:
+        """The worker holds this prompt now, as far as the approximate index can tell."""
         hb = self.heartbeats.get(worker_id)
         if worker_id not in self.approximate:
             self.approximate[worker_id] = ApproximateIndex(hb.kv_blocks_total if hb else 1024)

@@ -25,6 +25,9 @@ from scaler.policy import Verdict
 log = structlog.get_logger("sluice.scaler.backend")
 
 
+PREFILL = "prefill"  # a pool's prefill Deployment is named the workload's name plus "-prefill"
+
+
 class KubernetesBackend:
     def __init__(self, apps: Any, core: Any, namespace: str, workload: str = "sluice-worker-{pool}") -> None:
         self._apps = apps
@@ -74,17 +77,14 @@ class KubernetesBackend:
     def size_prefill(self, pool: str, target: int, beats: Sequence[Heartbeat]) -> None:
         """The pool's prefill Deployment (the workload's name plus `-prefill`) at `target` replicas. A
         prefill pod is scaled away without a drain: its queued jobs end in a local prefill."""
-        name = self._workload.format(pool=pool) + "-prefill"
-        if self._wanted.get(pool + "/prefill") == target:
-            return
-        self._apps.patch_namespaced_deployment_scale(name, self._namespace, {"spec": {"replicas": target}})
-        self._wanted[pool + "/prefill"] = target
-        log.info("scaled deployment", pool=pool, deployment=name, replicas=target)
+        if self._wanted.get(f"{pool}/{PREFILL}") != target:
+            self._scale(pool, target, PREFILL)
 
-    def _scale(self, pool: str, replicas: int) -> None:
-        name = self._workload.format(pool=pool)
+    def _scale(self, pool: str, replicas: int, role: str = "") -> None:
+        """Patch the pool's Deployment (for role `prefill`, its prefill Deployment) to `replicas`."""
+        name = self._workload.format(pool=pool) + (f"-{role}" if role else "")
         self._apps.patch_namespaced_deployment_scale(name, self._namespace, {"spec": {"replicas": replicas}})
-        self._wanted[pool] = replicas
+        self._wanted[f"{pool}/{role}" if role else pool] = replicas
         log.info("scaled deployment", pool=pool, deployment=name, replicas=replicas)
 
     def _replicas(self, pool: str) -> int:

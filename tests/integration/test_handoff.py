@@ -32,10 +32,9 @@ model = "sluice-sim"
 min_replicas = 1
 max_replicas = 1
 [pools.disaggregation]
-mode = "threshold"
-threshold_tokens = 160
-handoff_wait_s = {wait}
+{disaggregation}
 """
+THRESHOLD = 'mode = "threshold"\nthreshold_tokens = 160\nhandoff_wait_s = {wait}'
 DECODE = SimulatedEngineConfig(ttft_ms=5, token_ms=1)
 
 
@@ -53,7 +52,7 @@ def text_of(events: Sequence[object]) -> str:
 
 async def test_a_long_prompt_is_split_and_a_short_one_is_not(bus: Bus, tmp_path: Path) -> None:
     config = tmp_path / "pools.toml"
-    config.write_text(SPLIT_POOL.format(wait=10))
+    config.write_text(SPLIT_POOL.format(disaggregation=THRESHOLD.format(wait=10)))
     async with pipeline(bus, engines=[DECODE, DECODE], roles=["decode", "prefill"], config=config) as p:
         names = p.settings.names
         # A record that names its own handoff (to a worker of its choosing) gets the dispatcher's instead.
@@ -83,7 +82,7 @@ async def test_a_long_prompt_is_split_and_a_short_one_is_not(bus: Bus, tmp_path:
 
 async def test_a_prefill_worker_slower_than_the_wait_leaves_a_local_prefill(bus: Bus, tmp_path: Path) -> None:
     config = tmp_path / "pools.toml"
-    config.write_text(SPLIT_POOL.format(wait=0.5))
+    config.write_text(SPLIT_POOL.format(disaggregation=THRESHOLD.format(wait=0.5)))
     slow = SimulatedEngineConfig(ttft_ms=3000, token_ms=1)
     async with pipeline(bus, engines=[DECODE, slow], roles=["decode", "prefill"], config=config) as p:
         req = prompt_request("req-split-slow-0001", 300)
@@ -99,23 +98,11 @@ async def test_a_prefill_worker_slower_than_the_wait_leaves_a_local_prefill(bus:
         assert elapsed < 3.0, "the decode worker did not wait for the slow prefill"
 
 
-AUTO_POOL = """
-[[pools]]
-name = "sim"
-model = "sluice-sim"
-[pools.scaling.prefill]
-min_replicas = 1
-max_replicas = 1
-[pools.disaggregation]
-mode = "auto"
-"""
-
-
 async def test_auto_splits_a_long_prompt_only_while_the_decode_worker_is_busy(
     bus: Bus, tmp_path: Path
 ) -> None:
     config = tmp_path / "pools.toml"
-    config.write_text(AUTO_POOL)
+    config.write_text(SPLIT_POOL.format(disaggregation='mode = "auto"'))
     decode = SimulatedEngineConfig(ttft_ms=5, token_ms=30)
     async with pipeline(bus, engines=[decode, DECODE], roles=["decode", "prefill"], config=config) as p:
         names = p.settings.names
