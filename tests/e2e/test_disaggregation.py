@@ -122,8 +122,7 @@ async def _handoff(dev: DevRun, rid: str) -> dict[str, str]:
 
 
 def ask(dev: DevRun, model: str, prompt: str) -> tuple[str, str, str]:
-    """A greedy streamed chat answer: (request id, text, the worker its placement record names, read
-    while it streams)."""
+    """A greedy streamed chat answer: (request id, text, the worker its placement record names)."""
     client = openai.OpenAI(
         base_url=dev.env["SLUICE_URL"] + "/v1", api_key=dev.env["SLUICE_API_KEY"], max_retries=0
     )
@@ -135,13 +134,12 @@ def ask(dev: DevRun, model: str, prompt: str) -> tuple[str, str, str]:
             temperature=0,
             stream=True,
         )
-        rid, placed, text = "", "", list[str]()
+        rid, text = "", list[str]()
         for chunk in stream:
-            if not rid:
-                rid = chunk.id.split("-", 1)[1]
-                placed = asyncio.run(_placement(dev, rid))
+            rid = rid or chunk.id.split("-", 1)[1]
             text.extend(c.delta.content or "" for c in chunk.choices)
-    return rid, "".join(text), placed
+    # Read once the answer is in: the stream opens with the assistant's role before the request is placed.
+    return rid, "".join(text), asyncio.run(_placement(dev, rid))
 
 
 def handoff(dev: DevRun, rid: str) -> dict[str, str]:

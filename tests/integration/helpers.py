@@ -169,11 +169,12 @@ async def pipeline(
     await producer.start()
     stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = [asyncio.create_task(w.run(stop)) for w in fleet]
-    tasks.append(
-        asyncio.create_task(Dispatcher(settings, redis, consumer, producer, ByteTokenizer()).run(stop))
-    )
+    dispatcher = Dispatcher(settings, redis, consumer, producer, ByteTokenizer())
+    tasks.append(asyncio.create_task(dispatcher.run(stop)))
     try:
         await wait_workers(redis, settings, worker_ids, pool=pool, within_s=10)
+        # A heartbeat can reach Redis a moment before the dispatcher's view of the workers has it.
+        await eventually(lambda: _seen_ready(dispatcher, worker_ids), 10, "the dispatcher seeing the workers")
         yield Pipeline(settings, redis, producer, worker_ids[0], tasks)
         assert not (crashed := Pipeline(settings, redis, producer, "", tasks).crashed()), crashed
     finally:
@@ -185,6 +186,11 @@ async def pipeline(
         await consumer.stop()
         await producer.stop()
         await redis.aclose()
+
+
+async def _seen_ready(dispatcher: Dispatcher, worker_ids: list[str]) -> bool:
+    beats = dispatcher.view.heartbeats
+    return all(w in beats and beats[w].state is WorkerState.READY for w in worker_ids)
 
 
 async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
