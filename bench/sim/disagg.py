@@ -286,13 +286,16 @@ def best(cells: Sequence[Cell], family: str) -> Cell:
     return max(mine, key=lambda c: (round(c.slo, 4), -c.ttft_p90))
 
 
+def spread(lo: str, hi: str) -> str:
+    """The seeds' range as shown, or nothing when it rounds to one value."""
+    return f" [{lo}-{hi}]" if lo != hi else ""
+
+
 def row(c: Cell, gpus: int) -> str:
     ratio = f"{c.prefill}P:{gpus - c.prefill}D" if c.prefill else f"{gpus} whole"
     lo, hi = c.ttft_p90_range
-    p90 = f"{c.ttft_p90 * 1000:,.0f}" + (f" [{lo * 1000:,.0f}-{hi * 1000:,.0f}]" if hi > lo else "")
-    slo = f"{c.slo:.1%}" + (
-        f" [{c.slo_range[0]:.1%}-{c.slo_range[1]:.1%}]" if c.slo_range[1] > c.slo_range[0] else ""
-    )
+    p90 = f"{c.ttft_p90 * 1000:,.0f}" + spread(f"{lo * 1000:,.0f}", f"{hi * 1000:,.0f}")
+    slo = f"{c.slo:.1%}" + spread(f"{c.slo_range[0]:.1%}", f"{c.slo_range[1]:.1%}")
     return (
         f"| {c.policy} | {ratio} | {c.ttft_p50 * 1000:,.0f} | {p90} "
         f"| {c.itl_p50 * 1000:.1f} | {c.itl_p90 * 1000:.1f} | {slo} | {c.split:.0%} |"

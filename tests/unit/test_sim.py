@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from bench.sim.disagg import SplitFleet, SplitResult, SplitRun
+from bench.sim.disagg import SplitFleet, SplitResult, SplitRun, spread
 from bench.sim.engine import Replica, Request, Seq, TimingModel, leading_cached
 from bench.sim.fleet import FleetState, simulate
 from bench.sim.metrics import Sketch, Stats, percentile, summarize, violation_minutes
@@ -400,3 +400,8 @@ def test_the_split_fleet_finishes_every_request_under_every_policy() -> None:
 def test_the_aggregated_baseline_has_no_prefill_replicas() -> None:
     with pytest.raises(ValueError, match="no prefill workers"):
         SplitFleet(SplitRun("never", 4, 1), MODEL, seed=1)
+
+
+def test_a_seed_range_is_shown_only_when_it_differs_as_printed() -> None:
+    assert spread("98.1%", "98.1%") == ""  # seeds apart by less than the shown precision
+    assert spread("63.0%", "100.0%") == " [63.0%-100.0%]"
