@@ -153,13 +153,15 @@ async def pipeline(
     pool_config = settings.load_pools().pool(pool)
     fleet = []
     for i, (wid, config) in enumerate(zip(worker_ids, configs, strict=True)):
-        fields = {
-            **settings.model_dump(),
-            "worker_id": wid,
-            "heartbeat_interval_s": 0.2,
-            "drain_timeout_s": 5,
-        }
-        worker_settings = WorkerSettings(**{**fields, "role": roles[i] if roles else "both"})
+        worker_settings = WorkerSettings(
+            **{
+                **settings.model_dump(),
+                "worker_id": wid,
+                "heartbeat_interval_s": 0.2,
+                "drain_timeout_s": 5,
+                "role": roles[i] if roles else "both",
+            }
+        )
         engine_ = SimulatedEngine(config, block_size=16)
         desk = handoff_desk(pool_config, worker_settings, engine_, redis)
         fleet.append(Worker(worker_settings, engine_, redis, "sluice-sim", config.max_running, handoffs=desk))
@@ -172,9 +174,10 @@ async def pipeline(
     dispatcher = Dispatcher(settings, redis, consumer, producer, ByteTokenizer())
     tasks.append(asyncio.create_task(dispatcher.run(stop)))
     try:
-        await wait_workers(redis, settings, worker_ids, pool=pool, within_s=10)
-        # A heartbeat can reach Redis a moment before the dispatcher's view of the workers has it.
-        await eventually(lambda: _seen_ready(dispatcher, worker_ids), 10, "the dispatcher seeing the workers")
+        # Ready as the dispatcher sees them: a heartbeat reaches Redis a moment before its view has it.
+        await eventually(
+            lambda: _seen_ready(dispatcher, worker_ids), 10, f"workers {worker_ids} ready to the dispatcher"
+        )
         yield Pipeline(settings, redis, producer, worker_ids[0], tasks)
         assert not (crashed := Pipeline(settings, redis, producer, "", tasks).crashed()), crashed
     finally:
