@@ -26,7 +26,7 @@ import itertools
 import math
 import random
 import statistics
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -259,19 +259,17 @@ def configurations(
 
 
 def cell(run: SplitRun, results: Sequence[SplitResult]) -> Cell:
-    def median(values: Iterable[float]) -> float:
-        return statistics.median(values)
-
+    median = statistics.median
     slos = [r.good / max(1, r.finished + r.unfinished) for r in results]
     p90s = [r.ttft.quantile(0.9) for r in results]
     return Cell(
         run.policy,
         run.prefill,
         median(r.ttft.quantile(0.5) for r in results),
-        median(r.ttft.quantile(0.9) for r in results),
+        median(p90s),
         median(r.itl.quantile(0.5) for r in results),
         median(r.itl.quantile(0.9) for r in results),
-        median(r.good / max(1, r.finished + r.unfinished) for r in results),
+        median(slos),
         median(r.split / max(1, r.finished + r.unfinished) for r in results),
         (min(slos), max(slos)),
         (min(p90s), max(p90s)),
