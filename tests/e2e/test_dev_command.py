@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field, SecretStr
 from gpu_workers.kv_publisher import KvMirror
 from infra.models import build_tiny_llama
 from queue_schemas.codec import decode
-from queue_schemas.messages import KvEvent
+from queue_schemas.messages import Heartbeat, KvEvent
 from queue_schemas.names import Names
 from queue_schemas.openai_types import ChatMessage
 from queue_schemas.prefix import block_hashes, cache_salt
@@ -92,6 +92,26 @@ def sluice_dev(tmp: Path, *options: str) -> Iterator[DevRun]:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+async def pool_heartbeats(redis_url: str, pool: str) -> list[Heartbeat]:
+    """The live heartbeats of a pool's workers."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [key async for key in redis.scan_iter(match=Names().heartbeat(pool, "*"))]
+        return [decode(Heartbeat, raw) for raw in await redis.mget(keys) if raw] if keys else []
+    finally:
+        await redis.aclose()
+
+
+async def wait_ready(redis_url: str, wanted: dict[str, int]) -> None:
+    """Until each pool has at least its number of ready workers (engines load for up to 10 minutes)."""
+    for _ in range(1200):
+        beats = {pool: await pool_heartbeats(redis_url, pool) for pool in wanted}
+        if all(sum(hb.state == "ready" for hb in beats[pool]) >= n for pool, n in wanted.items()):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"workers did not become ready: {wanted}")
 
 
 @pytest.fixture(scope="module")

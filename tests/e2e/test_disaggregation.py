@@ -19,10 +19,8 @@ import redis.asyncio as aioredis
 
 from infra.launcher import child_pids
 from infra.models import prepare_smollm2
-from queue_schemas.codec import decode
-from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
-from tests.e2e.test_dev_command import DevRun, sluice_dev
+from tests.e2e.test_dev_command import DevRun, pool_heartbeats, sluice_dev, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -82,26 +80,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
         + SINGLE
     )
     with sluice_dev(tmp, "--config", str(config), "--dispatchers", "1") as dev:
-        asyncio.run(_ready(dev, {"split": 2, "single": 1}))
+        asyncio.run(wait_ready(dev.env["SLUICE_REDIS_URL"], {"split": 2, "single": 1}))
         yield dev
-
-
-async def _heartbeats(dev: DevRun, pool: str) -> list[Heartbeat]:
-    redis = aioredis.Redis.from_url(dev.env["SLUICE_REDIS_URL"])
-    try:
-        keys = [key async for key in redis.scan_iter(match=Names().heartbeat(pool, "*"))]
-        return [decode(Heartbeat, raw) for raw in await redis.mget(keys) if raw] if keys else []
-    finally:
-        await redis.aclose()
-
-
-async def _ready(dev: DevRun, wanted: dict[str, int]) -> None:
-    for _ in range(1200):
-        counts = {pool: sum(hb.state == "ready" for hb in await _heartbeats(dev, pool)) for pool in wanted}
-        if all(counts[pool] >= n for pool, n in wanted.items()):
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"workers did not become ready: {wanted}")
 
 
 async def _placement(dev: DevRun, rid: str) -> str:
@@ -147,7 +127,7 @@ def handoff(dev: DevRun, rid: str) -> dict[str, str]:
 
 
 def workers(dev: DevRun) -> tuple[str, str]:
-    beats = asyncio.run(_heartbeats(dev, "split"))
+    beats = asyncio.run(pool_heartbeats(dev.env["SLUICE_REDIS_URL"], "split"))
     prefill = next(hb.worker_id for hb in beats if hb.role == "prefill" and hb.state == "ready")
     decode_ = next(hb.worker_id for hb in beats if hb.role == "decode")
     return prefill, decode_

@@ -11,10 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from infra.models import build_lora_adapter, build_tiny_llama
-from queue_schemas.codec import decode
-from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
-from tests.e2e.test_dev_command import DevRun, sluice_dev
+from tests.e2e.test_dev_command import DevRun, pool_heartbeats, sluice_dev, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -49,26 +47,8 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
     config = tmp / "pools.toml"
     config.write_text(POOLS.format(source=base, sql=sql, poem=poem))
     with sluice_dev(tmp, "--config", str(config)) as run:
-        asyncio.run(_workers_ready(run.env["SLUICE_REDIS_URL"], 2))
+        asyncio.run(wait_ready(run.env["SLUICE_REDIS_URL"], {"tiny": 2}))
         yield run
-
-
-async def _heartbeats(redis_url: str) -> list[Heartbeat]:
-    redis = aioredis.Redis.from_url(redis_url)
-    names = Names()
-    try:
-        keys = [key async for key in redis.scan_iter(match=names.heartbeat("tiny", "*"))]
-        return [decode(Heartbeat, raw) for raw in await redis.mget(keys) if raw] if keys else []
-    finally:
-        await redis.aclose()
-
-
-async def _workers_ready(redis_url: str, count: int) -> None:
-    for _ in range(1200):
-        if sum(hb.state == "ready" for hb in await _heartbeats(redis_url)) >= count:
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"{count} workers did not become ready")
 
 
 def _client(run: DevRun) -> openai.OpenAI:
@@ -125,9 +105,8 @@ def test_a_second_request_for_an_adapter_goes_where_it_is_held(lora_run: DevRun)
     _, same_sql = _placed_on(lora_run, "tiny-sql", "the first question about tables")
     assert same_sql == sql_text, "greedy output under an adapter is repeatable"
     assert sql_text != base_text, "the adapter changes the answer"
-    held = {
-        hb.worker_id: set(hb.adapters) for hb in asyncio.run(_heartbeats(lora_run.env["SLUICE_REDIS_URL"]))
-    }
+    beats = asyncio.run(pool_heartbeats(lora_run.env["SLUICE_REDIS_URL"], "tiny"))
+    held = {hb.worker_id: set(hb.adapters) for hb in beats}
     assert "tiny-sql" in held[first_sql]
     assert "tiny-poem" in held[first_poem]
     assert poem_text
