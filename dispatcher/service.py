@@ -46,6 +46,7 @@ from queue_schemas.answers import AnswerSink
 from queue_schemas.clients import BusUnavailable, mget_any
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
+from queue_schemas.health import Liveness, item_failed
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
@@ -73,8 +74,10 @@ class Dispatcher:
         consumer: AIOKafkaConsumer,
         producer: AIOKafkaProducer,
         tokenizer: PromptTokenizer,
+        liveness: Liveness | None = None,
     ) -> None:
         self.settings = settings
+        self.liveness = liveness or Liveness()
         self.names = settings.names
         self.redis = redis
         self.consumer = consumer

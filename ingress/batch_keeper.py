@@ -49,6 +49,7 @@ from queue_schemas.batch_api import (
 from queue_schemas.codec import decode, encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.errors import SchemaError
+from queue_schemas.health import Liveness, item_failed
 from queue_schemas.keys import TeamKey
 from queue_schemas.messages import CancelNotice
 from queue_schemas.names import Names
@@ -128,8 +129,10 @@ class BatchKeeper:
         store: ObjectStore,
         kafka_options: dict[str, Any],
         interval_s: float,
+        liveness: Liveness | None = None,
     ) -> None:
         self.names = names
+        self.liveness = liveness or Liveness()
         self.pools = pools
         self.redis = redis
         self.producer = producer
