@@ -64,6 +64,7 @@ from queue_schemas.usage import UsageStatus, usage_event
 
 log = structlog.get_logger("sluice.dispatcher")
 REDIS_PAUSE_S = 0.5  # between placement rounds while Redis does not answer
+PLACEMENT_STALE_S = 30.0  # a placement loop with no round for this long is stuck (/healthz 503)
 
 
 class Dispatcher:
@@ -120,16 +121,23 @@ class Dispatcher:
             asyncio.create_task(self.partitions.keep(stop), name="leases"),
             asyncio.create_task(self._view_loop(stop), name="view"),
             asyncio.create_task(self._kv_loop(stop), name="kv-index"),
-            asyncio.create_task(follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)),
             asyncio.create_task(
-                follow_channel(self.redis, self.names.heartbeat_channel(self.pool), self._on_heartbeat)
+                follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel), name="cancels"
+            ),
+            asyncio.create_task(
+                follow_channel(self.redis, self.names.heartbeat_channel(self.pool), self._on_heartbeat),
+                name="heartbeats",
             ),
             asyncio.create_task(report_loop(self, stop), name="report"),
             asyncio.create_task(self._weights_loop(stop), name="team-weights"),
         ]
+        for task in self._background:
+            self.liveness.watch(task.get_name(), task)
+        self.liveness.watch("placement", stale_after_s=PLACEMENT_STALE_S)
         log.info("dispatcher consuming", topics=[self.topic, self.batch_topic])
         try:
             while not stop.is_set():
+                self.liveness.beat("placement")
                 await self._follow_leases()
                 await self._receive()
                 try:
@@ -255,7 +263,13 @@ class Dispatcher:
             tag = self.hold.tag(held.request.team)  # as it stands now: earlier placements are charged
             if held.request.fair_tag != tag:
                 held.request = held.request.model_copy(update={"fair_tag": tag})
-            placed = await self._try_place(held)
+            try:
+                placed = await self._try_place(held)
+            except (RedisError, BusUnavailable):
+                raise  # the loop's own pause: the request stays held
+            except Exception as exc:  # a fault of this request's alone: it ends, the round goes on
+                self._end_failed(held, exc)
+                placed = True
             misses = 0 if placed else misses + 1
             if misses >= self.settings.max_misses_per_round:
                 break  # nothing fits now; the rest of the hold waits for the next heartbeat
@@ -402,6 +416,27 @@ class Dispatcher:
         message = "the request was cancelled before it started"
         self._answer_soon(held, partial(self._answer_error, held.request, ErrorCode.CANCELLED, message))
 
+    def _end_failed(self, held: Held, exc: Exception) -> None:
+        """End a request whose placement raised: it leaves the hold and is answered with an error (its
+        record's offset closes once the answer is out, or once answering it failed too)."""
+        item_failed("dispatcher.placement")
+        metrics.OUTCOMES.labels(self.pool, "failed").inc()
+        log.error(
+            "request failed placement; ended alone", request_id=held.request.request_id,
+            error=type(exc).__name__, exc_info=exc,
+        )  # fmt: skip
+        request = held.request
+        message = f"the request could not be placed ({type(exc).__name__})"
+
+        async def answer() -> None:
+            try:
+                await self._settle_ended(request, UsageStatus.FAILED, ErrorCode.BAD_REQUEST)
+            except Exception:  # the answer still goes out; the reservation expires on its own
+                log.exception("failed request not settled", request_id=request.request_id)
+            await self._answer_error(request, ErrorCode.BAD_REQUEST, message)
+
+        self._answer_soon(held, answer)
+
     def _finish(self, held: Held) -> None:
         """The request leaves the hold; its record no longer holds its partition's commit back."""
         self.hold.remove(held.request.request_id)
@@ -411,7 +446,13 @@ class Dispatcher:
     async def _expire(self) -> None:
         for held in self.hold.expired(time.time()):
             # Settled before it leaves the hold: if Redis fails here, the next round tries again.
-            await self._settle_ended(held.request, UsageStatus.FAILED, ErrorCode.TIMEOUT)
+            try:
+                await self._settle_ended(held.request, UsageStatus.FAILED, ErrorCode.TIMEOUT)
+            except (RedisError, BusUnavailable):
+                raise
+            except Exception as exc:  # this request's alone
+                self._end_failed(held, exc)
+                continue
             late = "no worker could take the request in time"
             resume = held.request.resume  # a moved request's error follows what its client has
             seq = 0 if resume is None else resume.next_seq

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +32,7 @@ from queue_schemas.api_errors import (
     PermissionDenied,
     ServiceUnavailable,
 )
+from queue_schemas.boundary import InputRefused, load_untrusted
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
 from queue_schemas.openai_types import (
@@ -117,8 +117,9 @@ async def list_models(ctx: Context, team: Team) -> dict[str, Any]:
 
 
 async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
-    """The parsed JSON body and its size. A body over `limit` is refused as soon as that is known: from
-    its Content-Length, or, for a chunked body, at the chunk that crosses the limit, never buffered whole."""
+    """The parsed JSON body and its size, through the input boundary. A body over `limit` is refused as
+    soon as that is known: from its Content-Length, or, for a chunked body, at the chunk that crosses the
+    limit, never buffered whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
@@ -128,11 +129,9 @@ async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
         if len(raw) > limit:
             raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
     try:
-        return json.loads(raw), len(raw)
-    except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
-        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}") from None
-    except RecursionError:
-        raise InvalidRequest("The JSON body of your request nests too deeply.") from None
+        return load_untrusted(bytes(raw)), len(raw)
+    except InputRefused as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
 
 
 def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:

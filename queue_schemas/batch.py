@@ -10,12 +10,12 @@ Pure: validation, naming and answer building. Reading and producing live in the 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from queue_schemas.boundary import InputRefused, load_untrusted
 from queue_schemas.messages import (
     SCHEMA_VERSION,
     BatchTicket,
@@ -151,11 +151,12 @@ def reply_topic_owned(topic: str, team: str, names: Names, reply_prefixes: tuple
 
 
 def load_record(raw: bytes) -> dict[str, Any] | str:
-    """A raw submission's JSON object, parsed once for envelope and submission; or why it is not one."""
+    """A raw submission's JSON object, parsed once for envelope and submission and checked at the input
+    boundary; or why it is not one."""
     try:
-        obj = json.loads(raw)
-    except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
-        return f"not valid JSON: {exc}"
+        obj = load_untrusted(raw)
+    except InputRefused as exc:
+        return exc.message
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
     return obj

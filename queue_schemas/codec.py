@@ -27,6 +27,8 @@ def _load_object(data: bytes | str) -> dict[str, Any]:
         obj = json.loads(data)
     except ValueError as exc:  # bad UTF-8, bad JSON, or an integer too long to convert
         raise SchemaError(f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise SchemaError("not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise SchemaError(f"expected a JSON object, got {type(obj).__name__}")
     version = obj.get("v")

@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from queue_schemas.clients import mget_any
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
+from queue_schemas.health import item_failed
 from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
 
@@ -76,9 +77,7 @@ async def follow_channel(
             await pubsub.subscribe(channel)
             async for msg in pubsub.listen():
                 if msg["type"] == "message":
-                    result = on_message(msg["data"])
-                    if inspect.isawaitable(result):
-                        await result
+                    await _handle_one(channel, on_message, msg["data"])
         except (RedisError, OSError) as exc:
             log.warning("channel lost; resubscribing", channel=channel, error=str(exc))
             await asyncio.sleep(0.5)
@@ -87,3 +86,20 @@ async def follow_channel(
             # wait on a connection that does not answer.
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT_S)  # type: ignore[no-untyped-call]
+
+
+async def _handle_one(
+    channel: str, on_message: Callable[[bytes], Awaitable[None] | None], data: bytes
+) -> None:
+    """One message: a handler that raises (other than on a Redis error) ends that message alone."""
+    try:
+        result = on_message(data)
+        if inspect.isawaitable(result):
+            await result
+    except (RedisError, OSError):
+        raise
+    except Exception as exc:
+        item_failed("follow_channel")
+        log.error(
+            "a channel message failed; skipped", channel=channel, error=type(exc).__name__, exc_info=exc
+        )
