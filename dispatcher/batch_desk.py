@@ -42,7 +42,7 @@ from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import Names
 from queue_schemas.openai_types import ChatCompletionRequest
 from queue_schemas.quota import TeamRecord, settle
-from queue_schemas.quota_gate import QuotaGate
+from queue_schemas.quota_gate import QuotaGate, day_budget_left
 from queue_schemas.signing import Headers, read_signature, signature_valid
 from queue_schemas.structured import checked_param, xgrammar_check
 from queue_schemas.tokenizer import PromptTokenizer
@@ -138,6 +138,11 @@ class BatchDesk:
         if await self._seen(rid):
             metrics.OUTCOMES.labels(self.pool.name, "duplicate").inc()
             return None
+        # Before tokenizing and compiling schemas: a team whose day's budget is spent costs no more.
+        left = await day_budget_left(self.redis, self.names, sub.team, team.limits)
+        if left is not None and left <= 0:
+            spent = InsufficientQuota(f"Team '{sub.team}' has spent its daily token budget.")
+            return self._refusal(envelope, record, spent)
         try:
             parsed = parse_batch_body(sub, self.pool)
             ids = await prompt_ids(sub, parsed, self.tokenizer)

@@ -9,6 +9,11 @@ twice by a keeper that died is the same submission to the dispatcher. Answers ar
 topic read by one consumer group of all ingresses; an answer is stored with HSETNX under its line
 before its offset is committed, so a collector that dies re-reads answers it may have stored, and none
 is lost or counted twice.
+
+Input files are read a window at a time from the byte offset saved with the cursor, and result files
+written a page at a time (ingress.batch_files), so no batch is held whole in memory. A batch whose step
+raises (other than on a Redis or broker outage, which the round retries) is retried a few rounds, then
+failed with the reason; the other batches go on. A batch whose API key was revoked is cancelled.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from ingress.batch_files import lines_from, read_window, write_results
+from ingress.settings import IngressSettings
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps, TeamStorage
 from queue_schemas.batch import BatchAnswer, BatchSubmission, internal_request_id
 from queue_schemas.batch_api import (
     FileRecord,
@@ -39,10 +47,9 @@ from queue_schemas.batch_api import (
     local_error_line,
     local_http_line,
     next_step,
+    object_key,
     parse_line_request_id,
-    read_input,
     result_file_id,
-    split_results,
     succeeded,
     validation_errors,
 )
@@ -61,9 +68,12 @@ log = structlog.get_logger("sluice.ingress.batches")
 LEASE_MS = 15_000
 SUBMIT_CHUNK = 500  # lines sent per round per batch, then the cursor is saved
 SERVICE_KEY_TTL_S = 8 * 24 * 3600  # longer than any line waits in a batch topic
-RESULT_LINES_TTL_S = 24 * 3600  # the collected lines, kept a day after the files are written
+RESULT_LINES_TTL_S = 600  # the collected lines, kept a while after the files are written
 CANCEL_MARK_TTL_MS = 10 * 60 * 1000
 COLLECT_FETCH_WAIT_MS = 500
+STEP_FAULTS = 3  # rounds in a row a batch's step may raise before the batch is failed
+KEEPER_STALE_S = 120.0  # /healthz: a keeper with no finished round for this long is stuck
+SWEEP_PAGE = 100  # expired files removed per round
 
 COLLECT_SCRIPT = """
 -- KEYS: the batch's hash, its lines hash (one slot: the team's).
@@ -130,6 +140,9 @@ class BatchKeeper:
         kafka_options: dict[str, Any],
         interval_s: float,
         liveness: Liveness | None = None,
+        caps: TeamCaps | None = None,
+        file_expiry_s: int = 30 * 24 * 3600,
+        batch_retain_s: int = 30 * 24 * 3600,
     ) -> None:
         self.names = names
         self.liveness = liveness or Liveness()
@@ -137,6 +150,9 @@ class BatchKeeper:
         self.redis = redis
         self.producer = producer
         self.store = store
+        self.storage = TeamStorage(redis, names, caps or IngressSettings.model_construct().team_caps())
+        self.file_expiry_s = file_expiry_s
+        self.batch_retain_s = batch_retain_s
         # Answers may wait half a second: a long poll keeps an idle collector cheap for the broker.
         self._kafka_options = {
             **kafka_options,
@@ -146,7 +162,7 @@ class BatchKeeper:
         self.holder = secrets.token_hex(8)
         pem, self._public, self.key_id = new_signing_key()
         self._private = load_private_key(pem)
-        self._inputs: dict[str, list[InputLine]] = {}  # batch id -> its lines, while this keeper sends them
+        self._faults: dict[str, int] = {}  # batch id -> rounds in a row its step raised
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -154,9 +170,12 @@ class BatchKeeper:
             asyncio.create_task(self._forever(self._keep_round, "keeping batches"), name="batch-keeper"),
             asyncio.create_task(self._collect(), name="batch-collector"),
         ]
+        self.liveness.watch("batch-keeper", self._tasks[0], stale_after_s=KEEPER_STALE_S)
+        self.liveness.watch("batch-collector", self._tasks[1])
 
     async def close(self) -> None:
         for task in self._tasks:
+            self.liveness.forget(task.get_name())
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -174,6 +193,7 @@ class BatchKeeper:
                     await self._register_key()
                     registered = time.monotonic()
                 await round_()
+                self.liveness.beat("batch-keeper")
             except (RedisError, KafkaError, OSError) as exc:
                 log.warning(f"{what} failed; retrying", error=str(exc))
             await asyncio.sleep(self.interval_s)
@@ -184,7 +204,38 @@ class BatchKeeper:
         for member in await self.redis.smembers(self.names.active_batches()):
             team, _, batch_id = as_text(member).partition("/")
             if await self._leased(team, batch_id):
-                await self._step(team, batch_id)
+                await self._step_alone(team, batch_id)
+        await self._sweep_files()
+
+    async def _step_alone(self, team: str, batch_id: str) -> None:
+        """One batch's step; what it raises is that batch's alone (an outage is the round's)."""
+        try:
+            await self._step(team, batch_id)
+        except (RedisError, KafkaError, OSError):
+            raise
+        except Exception as exc:
+            faults = self._faults.get(batch_id, 0) + 1
+            self._faults[batch_id] = faults
+            log.error(
+                "batch step failed", batch_id=batch_id, team=team, faults=faults,
+                error=type(exc).__name__, exc_info=exc,
+            )  # fmt: skip
+            if faults >= STEP_FAULTS:
+                item_failed("ingress.batch_keeper")
+                await self._fail(team, batch_id, f"The batch could not be processed ({type(exc).__name__}).")
+        else:
+            self._faults.pop(batch_id, None)
+
+    async def _fail(self, team: str, batch_id: str, message: str) -> None:
+        """End a batch that cannot go on: failed, with the reason in its errors."""
+        now = str(int(time.time()))
+        statuses = (Status.VALIDATING, Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING)
+        await transition(
+            self.redis, self.names, team, batch_id, statuses, Status.FAILED,
+            failed_at=now, errors=validation_errors(message),
+        )  # fmt: skip
+        await self._retire(team, batch_id)
+        self._faults.pop(batch_id, None)
 
     async def _leased(self, team: str, batch_id: str) -> bool:
         key = self.names.batch_lease(team, batch_id)
@@ -194,7 +245,6 @@ class BatchKeeper:
         if holder is not None and as_text(holder) == self.holder:
             await self.redis.pexpire(key, LEASE_MS)
             return True
-        self._inputs.pop(batch_id, None)  # another keeper has it now
         return False
 
     async def _step(self, team: str, batch_id: str) -> None:
@@ -203,6 +253,12 @@ class BatchKeeper:
         if not fields:
             await self._retire(team, batch_id)
             return
+        if await self._key_revoked(fields):
+            await transition(
+                self.redis, names, team, batch_id, CANCELLABLE_STATUSES, Status.CANCELLING,
+                cancelling_at=str(int(time.time())), cancel_reason=KEY_REVOKED,
+            )  # fmt: skip
+            fields = decode_fields(await self.redis.hgetall(names.batch_record(team, batch_id)))
         answered = int(await self.redis.hlen(names.batch_lines(team, batch_id)))
         step = next_step(fields, answered, time.time())
         if step is Step.VALIDATE:
@@ -212,7 +268,8 @@ class BatchKeeper:
         elif step is Step.CANCEL:
             await self._cancel(team, batch_id, fields)
         elif step is Step.CLOSE_CANCELLED:
-            await self._answer_rest(team, batch_id, fields, "cancelled", "The batch was cancelled.")
+            reason = fields.get("cancel_reason") or "The batch was cancelled."
+            await self._answer_rest(team, batch_id, fields, "cancelled", reason)
         elif step is Step.EXPIRE:
             await self.redis.hset(names.batch_record(team, batch_id), "expired", "1")
             await self._cancel_sent(team, batch_id, fields)
@@ -223,40 +280,41 @@ class BatchKeeper:
         elif step is Step.DONE:
             await self._retire(team, batch_id)
 
-    async def _retire(self, team: str, batch_id: str) -> None:
-        self._inputs.pop(batch_id, None)
-        await self.redis.srem(self.names.active_batches(), f"{team}/{batch_id}")
-        await self.redis.delete(self.names.batch_lease(team, batch_id))
+    async def _key_revoked(self, fields: dict[str, str]) -> bool:
+        """Whether the API key that created a batch still in progress has been revoked since."""
+        key_hash = fields.get("key_hash")
+        if not key_hash or fields.get("status") not in CANCELLABLE_STATUSES:
+            return False
+        return not await self.redis.exists(self.names.api_key(key_hash))
 
-    async def _input(self, team: str, fields: dict[str, str]) -> list[InputLine] | str:
-        """The batch's input lines (kept while this keeper sends them), or why there are none."""
-        cached = self._inputs.get(fields["id"])
-        if cached is not None:
-            return cached
+    async def _retire(self, team: str, batch_id: str) -> None:
+        names = self.names
+        record = names.batch_record(team, batch_id)
+        total = await self.redis.hget(record, "total")
+        if await self.redis.hdel(record, "capped"):  # once, whoever retires it
+            await self.storage.give(team, {BATCHES: 1, BATCH_LINES: int(total or 0)})
+        await self.redis.srem(names.active_batches(), f"{team}/{batch_id}")
+        await self.redis.delete(names.batch_lease(team, batch_id))
+
+    async def _input(self, team: str, fields: dict[str, str]) -> FileRecord | str:
+        """The batch's input file record, or why there is none."""
         raw = await self.redis.get(self.names.file_record(team, fields["input_file_id"]))
         if raw is None:
             return f"The input file {fields['input_file_id']} was deleted."
-        record = FileRecord.model_validate_json(raw)
-        try:
-            data = await self.store.get(record.key)
-        except FileNotFoundError:
-            return f"The input file {record.id} is missing from the file store."
-        lines = read_input(data)
-        if not isinstance(lines, str):
-            self._inputs[fields["id"]] = lines
-        return lines
+        return FileRecord.model_validate_json(raw)
 
     async def _validate(self, team: str, batch_id: str, fields: dict[str, str]) -> None:
-        lines = await self._input(team, fields)
+        """The file's lines were checked at upload; what is left is that they all use the batch's url."""
+        record = await self._input(team, fields)
         now = str(int(time.time()))
         problem: tuple[str, int | None] | None = None
-        if isinstance(lines, str):
-            problem = lines, None
+        if isinstance(record, str):
+            problem = record, None
         else:
-            wrong = next((line for line in lines if line.url != fields["endpoint"]), None)
-            if wrong is not None:
-                message = f"The url {wrong.url} does not match the batch's endpoint {fields['endpoint']}."
-                problem = message, wrong.number + 1
+            wrong = sorted((line, url) for url, line in record.endpoints.items() if url != fields["endpoint"])
+            if wrong:
+                line, url = wrong[0]
+                problem = f"The url {url} does not match the batch's endpoint {fields['endpoint']}.", line
         if problem is not None:
             errors = validation_errors(problem[0], "input_file_id", problem[1])
             await transition(
@@ -264,53 +322,93 @@ class BatchKeeper:
                 failed_at=now, errors=errors,
             )  # fmt: skip
             return
-        assert not isinstance(lines, str)
+        assert not isinstance(record, str)
         await transition(
             self.redis, self.names, team, batch_id, (Status.VALIDATING,), Status.IN_PROGRESS,
-            in_progress_at=now, total=str(len(lines)),
+            in_progress_at=now, total=str(record.lines),
         )  # fmt: skip
 
     async def _submit(self, team: str, batch_id: str, fields: dict[str, str]) -> None:
-        lines = await self._input(team, fields)
-        if isinstance(lines, str):  # the file went away after validation: what is left cannot run
-            await self._answer_rest(team, batch_id, fields, "input_file_missing", lines)
+        record = await self._input(team, fields)
+        if isinstance(record, str):  # the file went away after validation: what is left cannot run
+            await self._answer_rest(team, batch_id, fields, "input_file_missing", record)
             return
         key = TeamKey.model_validate_json(fields["key"])
-        cursor = int(fields["cursor"])
-        end = min(len(lines), cursor + SUBMIT_CHUNK)
+        cursor, offset = int(fields["cursor"]), int(fields.get("offset") or 0)
+        total = int(fields["total"])
+        window = await read_window(self.store, record, offset, min(SUBMIT_CHUNK, total - cursor))
         now = time.time()
-        window = max(1.0, float(fields["expires_at"]) - now)
-        sends = []
-        for number in range(cursor, end):
-            line = lines[number]
-            model = str(line.body["model"])
-            pool = self.pools.pool_for_model(model)
-            adapter = model if pool is not None and model != pool.model else None
-            if pool is None or not key.allows_model(pool.name, adapter):  # as the HTTP routes answer
-                message = f"The model '{model}' does not exist or you do not have access to it."
-                error = {"message": message, "type": "invalid_request_error", "param": "model"}
-                error["code"] = "model_not_found"
-                out = local_http_line(team, batch_id, number, line.custom_id, 404, {"error": error})
-                await self._store_line(team, batch_id, number, out)
+        sent: list[tuple[int, InputLine, int, asyncio.Future[Any] | BaseException]] = []
+        for number, (line, end) in enumerate(window, start=cursor):
+            submission = self._submission(team, batch_id, number, line, key, fields, now)
+            if isinstance(submission, dict):  # answered here: its model is not served to this key
+                await self._store_line(team, batch_id, number, submission)
+                sent.append((number, line, end, _done()))
                 continue
-            submission = BatchSubmission(
-                request_id=line_request_id(team, batch_id, number), custom_id=line.custom_id, team=team,
-                reply_topic=self.names.batch_api_answers_topic(), url=line.url,  # type: ignore[arg-type]
-                body=line.body, completion_window_s=window, submitted_at=now, key_id=fields.get("key_id"),
-            )  # fmt: skip
-            value = submission.model_dump_json(exclude_none=True).encode()
-            sends.append(
-                await self.producer.send(
-                    self.names.batch_topic(pool.name),
-                    value,
-                    key=submission.request_id.encode(),
-                    headers=sign_record(self._private, value),
-                )
-            )
-        await asyncio.gather(*sends)
-        await self.redis.hset(self.names.batch_record(team, batch_id), "cursor", str(end))
-        if end >= len(lines):
-            self._inputs.pop(batch_id, None)
+            request, pool = submission
+            value = request.model_dump_json(exclude_none=True).encode()
+            try:
+                future = await self.producer.send(
+                    self.names.batch_topic(pool), value,
+                    key=request.request_id.encode(), headers=sign_record(self._private, value),
+                )  # fmt: skip
+            except KafkaError as exc:
+                if exc.retriable:
+                    raise
+                sent.append((number, line, end, exc))
+                continue
+            sent.append((number, line, end, future))
+        cursor, offset = await self._settle_sends(team, batch_id, sent, cursor, offset)
+        await self.redis.hset(
+            self.names.batch_record(team, batch_id), mapping={"cursor": str(cursor), "offset": str(offset)}
+        )
+
+    def _submission(
+        self, team: str, batch_id: str, number: int, line: InputLine, key: TeamKey,
+        fields: dict[str, str], now: float,
+    ) -> tuple[BatchSubmission, str] | dict[str, Any]:  # fmt: skip
+        """The record to send for a line, or its answer when its model is not one the key may use (as
+        the HTTP routes answer)."""
+        model = str(line.body["model"])
+        pool = self.pools.pool_for_model(model)
+        adapter = model if pool is not None and model != pool.model else None
+        if pool is None or not key.allows_model(pool.name, adapter):
+            message = f"The model '{model}' does not exist or you do not have access to it."
+            error = {"message": message, "type": "invalid_request_error", "param": "model"}
+            error["code"] = "model_not_found"
+            return local_http_line(team, batch_id, number, line.custom_id, 404, {"error": error})
+        window = max(1.0, float(fields["expires_at"]) - now)
+        request = BatchSubmission(
+            request_id=line_request_id(team, batch_id, number), custom_id=line.custom_id, team=team,
+            reply_topic=self.names.batch_api_answers_topic(), url=line.url,  # type: ignore[arg-type]
+            body=line.body, completion_window_s=window, submitted_at=now, key_id=fields.get("key_id"),
+        )  # fmt: skip
+        return request, pool.name
+
+    async def _settle_sends(
+        self,
+        team: str,
+        batch_id: str,
+        sent: list[tuple[int, InputLine, int, asyncio.Future[Any] | BaseException]],
+        cursor: int,
+        offset: int,
+    ) -> tuple[int, int]:
+        """Wait for the broker's word on each line sent. A line the broker refused for good (too large,
+        say) is answered with the reason and the batch goes on; at the first line it could not take for
+        now, the cursor stops (that line and those after it are sent again next round, under the same
+        ids)."""
+        outcomes = await asyncio.gather(*(_outcome(item[3]) for item in sent), return_exceptions=True)
+        for (number, line, end, _), outcome in zip(sent, outcomes, strict=True):
+            if isinstance(outcome, KafkaError) and not outcome.retriable:
+                message = f"The request could not be queued: {type(outcome).__name__}."
+                out = local_error_line(team, batch_id, number, line.custom_id, "enqueue_failed", message)
+                await self._store_line(team, batch_id, number, out)
+            elif isinstance(outcome, BaseException):
+                log.warning("a batch line was not taken by the broker yet", batch_id=batch_id, line=number,
+                            error=type(outcome).__name__)  # fmt: skip
+                return cursor, offset
+            cursor, offset = number + 1, end
+        return cursor, offset
 
     async def _store_line(self, team: str, batch_id: str, number: int, line: dict[str, Any]) -> int:
         keys = collect_keys(self.names, team, batch_id)
@@ -326,17 +424,13 @@ class BatchKeeper:
         """Lines not sent yet are answered as cancelled here; sent ones are cancelled where they are
         (the dispatcher or worker answers each `cancelled`, or with its result if it had finished)."""
         total, cursor = int(fields["total"]), int(fields["cursor"])
-        message = "The batch was cancelled before this request was sent."
-        lines = await self._input(team, fields) if cursor < total else []
-        for number in range(cursor, total):
-            custom_id = lines[number].custom_id if not isinstance(lines, str) else f"line-{number + 1}"
-            out = local_error_line(team, batch_id, number, custom_id, "cancelled", message)
-            await self._store_line(team, batch_id, number, out)
+        reason = fields.get("cancel_reason") or "The batch was cancelled before this request was sent."
+        if cursor < total:
+            await self._answer_from(team, batch_id, fields, cursor, "cancelled", reason, set())
         record = self.names.batch_record(team, batch_id)
         await self.redis.hset(record, "cursor", str(total))
         await self._cancel_sent(team, batch_id, fields)
         await self.redis.hset(record, "cancel_sent", "1")
-        self._inputs.pop(batch_id, None)
 
     async def _cancel_sent(self, team: str, batch_id: str, fields: dict[str, str]) -> None:
         """Cancel notices for every sent line without an answer."""
@@ -358,58 +452,95 @@ class BatchKeeper:
     ) -> None:
         """Answer every line without an answer yet with an error of the keeper's own."""
         answered = await self._answered(team, batch_id)
-        lines = await self._input(team, fields)
-        for number in range(int(fields["total"])):
-            if number in answered:
-                continue
-            custom_id = lines[number].custom_id if not isinstance(lines, str) else f"line-{number + 1}"
-            await self._store_line(
-                team, batch_id, number, local_error_line(team, batch_id, number, custom_id, code, message)
-            )
+        await self._answer_from(team, batch_id, fields, 0, code, message, answered)
         await self.redis.hset(self.names.batch_record(team, batch_id), "cursor", fields["total"])
+
+    async def _answer_from(
+        self, team: str, batch_id: str, fields: dict[str, str], first: int, code: str, message: str,
+        answered: set[int],
+    ) -> None:  # fmt: skip
+        """Answer lines `first` on that are not in `answered` with the keeper's own error, reading their
+        custom ids from the input file (or naming them by number if it is gone)."""
+        total = int(fields["total"])
+        record = await self._input(team, fields)
+        numbers = range(first, total)
+        if isinstance(record, str):
+            named = ((n, f"line-{n + 1}") for n in numbers)
+            for number, custom_id in named:
+                if number not in answered:
+                    out = local_error_line(team, batch_id, number, custom_id, code, message)
+                    await self._store_line(team, batch_id, number, out)
+            return
+        start = int(fields.get("offset") or 0) if first == int(fields["cursor"]) else 0
+        number = first if start else 0
+        async for line in lines_from(self.store, record, start):
+            if number >= first and number not in answered:
+                out = local_error_line(team, batch_id, number, line.custom_id, code, message)
+                await self._store_line(team, batch_id, number, out)
+            number += 1
 
     async def _finalize(self, team: str, batch_id: str, fields: dict[str, str]) -> None:
         names = self.names
-        now = str(int(time.time()))
+        now = int(time.time())
         status = fields["status"]
         if status != Status.FINALIZING:
             ending = final_status(status, expired=bool(fields.get("expired")))
             moved = await transition(
                 self.redis, names, team, batch_id, (Status.IN_PROGRESS, Status.CANCELLING), Status.FINALIZING,
-                finalizing_at=now, ending=ending.value,
+                finalizing_at=str(now), ending=ending.value,
             )  # fmt: skip
             if not moved:
                 return  # cancelled meanwhile: the next round decides again
             fields = decode_fields(await self.redis.hgetall(names.batch_record(team, batch_id)))
-        raw = await self.redis.hgetall(names.batch_lines(team, batch_id))
-        output, errors = split_results({int(k): as_text(v) for k, v in raw.items()})
-        ids: dict[str, str] = {}
-        for kind, data in (("output", output), ("errors", errors)):
-            if not data:
-                continue
-            file_id = result_file_id(batch_id, kind)
-            record = FileRecord(
-                id=file_id, team=team, purpose="batch_output", filename=f"{batch_id}_{kind}.jsonl",
-                bytes=len(data), created_at=int(now), key=f"files/{team}/{file_id}",
-            )  # fmt: skip
-            await self.store.put(record.key, data)
-            await self.redis.set(names.file_record(team, file_id), record.model_dump_json())
-            await self.redis.zadd(names.files(team), {file_id: float(now)})
-            ids["output_file_id" if kind == "output" else "error_file_id"] = file_id
+        ids = await self._write_results(team, batch_id, fields, now)
         ending = Status(fields.get("ending") or Status.COMPLETED)
         await transition(
-            self.redis,
-            names,
-            team,
-            batch_id,
-            (Status.FINALIZING,),
-            ending,
-            **{f"{ending.value}_at": now},
-            **ids,
-        )
+            self.redis, names, team, batch_id, (Status.FINALIZING,), ending,
+            **{f"{ending.value}_at": str(now)}, **ids,
+        )  # fmt: skip
         await self.redis.expire(names.batch_lines(team, batch_id), RESULT_LINES_TTL_S)
+        await self.redis.expire(names.batch_record(team, batch_id), self.batch_retain_s)
         await self._retire(team, batch_id)
         log.info("batch finalized", batch_id=batch_id, team=team, status=ending.value)
+
+    async def _write_results(
+        self, team: str, batch_id: str, fields: dict[str, str], now: int
+    ) -> dict[str, str]:
+        """The output and error files, written a page of lines at a time; their ids by field."""
+        names = self.names
+        lines_key = names.batch_lines(team, batch_id)
+        file_ids = {kind: result_file_id(batch_id, kind) for kind in ("output", "errors")}
+        keys = (object_key(team, file_ids["output"]), object_key(team, file_ids["errors"]))
+
+        async def read(numbers: list[int]) -> list[str | None]:
+            raw = await self.redis.hmget(lines_key, [str(n) for n in numbers])
+            return [None if r is None else as_text(r) for r in raw]
+
+        sizes = await write_results(self.store, keys, int(fields["total"]), read)
+        seconds = int(fields.get("output_expires_s") or self.file_expiry_s)
+        ids: dict[str, str] = {}
+        for kind, key, size in zip(("output", "errors"), keys, sizes, strict=True):
+            if not size:
+                continue
+            file_id = file_ids[kind]
+            if await self.redis.exists(names.file_record(team, file_id)):
+                ids["output_file_id" if kind == "output" else "error_file_id"] = file_id
+                continue  # written by a keeper that died before the batch moved on
+            record = FileRecord(
+                id=file_id, team=team, purpose="batch_output", filename=f"{batch_id}_{kind}.jsonl",
+                bytes=size, created_at=now, key=key, expires_at=now + seconds,
+            )  # fmt: skip
+            await self.storage.take(team, {FILES: 1, BYTES: size}, capped=False)
+            await save_file_record(self.redis, names, record)
+            ids["output_file_id" if kind == "output" else "error_file_id"] = file_id
+        return ids
+
+    async def _sweep_files(self) -> None:
+        """Remove files whose time is up (a page per round), giving their bytes back to their teams."""
+        due = await self.redis.zrangebyscore(self.names.file_expiry(), 0, time.time(), 0, SWEEP_PAGE)
+        for member in due:
+            team, _, file_id = as_text(member).partition("/")  # type: ignore[arg-type]
+            await remove_file(self.redis, self.names, self.store, self.storage, team, file_id)
 
     # collecting
 
@@ -423,15 +554,26 @@ class BatchKeeper:
                     batches = await consumer.getmany(timeout_ms=500, max_records=500)
                     for records in batches.values():
                         for record in records:
-                            await self._collect_one(record.value or b"")
+                            await self._collect_alone(record.value or b"")
                     if batches:
                         await consumer.commit()
+                    self.liveness.beat("batch-collector")
             except (RedisError, KafkaError, OSError) as exc:
                 log.warning("collecting answers failed; reconnecting", error=str(exc))
             finally:
                 with contextlib.suppress(KafkaError, OSError):
                     await consumer.stop()
             await asyncio.sleep(self.interval_s)
+
+    async def _collect_alone(self, value: bytes) -> None:
+        """One answer; one that raises (other than on an outage) is logged, counted and passed over."""
+        try:
+            await self._collect_one(value)
+        except (RedisError, KafkaError, OSError):
+            raise
+        except Exception as exc:
+            item_failed("ingress.batch_collector")
+            log.error("an answer could not be collected", error=type(exc).__name__, exc_info=exc)
 
     async def _collect_one(self, value: bytes) -> None:
         try:
@@ -447,3 +589,44 @@ class BatchKeeper:
         stored = await self._store_line(team, batch_id, number, answer.output_line())
         if stored == -1:
             log.warning("an answer for no known batch line", batch_id=batch_id, line=number)
+
+
+KEY_REVOKED = "The API key that created the batch was revoked."
+CANCELLABLE_STATUSES = (Status.VALIDATING, Status.IN_PROGRESS)
+
+
+def _done() -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
+
+
+async def _outcome(sent: asyncio.Future[Any] | BaseException) -> Any:
+    if isinstance(sent, BaseException):
+        raise sent
+    return await sent
+
+
+async def save_file_record(redis: aioredis.Redis, names: Names, record: FileRecord) -> None:
+    """Index a stored file: its record, the team's list, and the expiry sweep."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.set(names.file_record(record.team, record.id), record.model_dump_json())
+        pipe.zadd(names.files(record.team), {record.id: record.created_at})
+        if record.expires_at is not None:
+            pipe.zadd(names.file_expiry(), {f"{record.team}/{record.id}": record.expires_at})
+        await pipe.execute()
+
+
+async def remove_file(
+    redis: aioredis.Redis, names: Names, store: ObjectStore, storage: TeamStorage, team: str, file_id: str
+) -> bool:
+    """Remove a file (deleted or expired) and give its bytes back; False when it was gone already."""
+    raw = await redis.get(names.file_record(team, file_id))
+    await redis.zrem(names.file_expiry(), f"{team}/{file_id}")
+    await redis.zrem(names.files(team), file_id)
+    if raw is None or not await redis.delete(names.file_record(team, file_id)):
+        return False  # another ingress removed it, and gave its bytes back
+    record = FileRecord.model_validate_json(raw)
+    await store.delete(record.key)
+    await storage.give(team, {FILES: 1, BYTES: record.bytes})
+    return True

@@ -7,8 +7,10 @@ batch is done by the ingresses' batch keepers (ingress.batch_keeper); these hand
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -16,9 +18,13 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
 
-from ingress.batch_keeper import transition
+from ingress.auth import bearer_token
+from ingress.batch_keeper import remove_file, save_file_record, transition
+from ingress.context import IngressContext
 from ingress.routes import Context, Team, body_schema, read_json_body
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamStorage
 from queue_schemas.api_errors import (
+    InsufficientQuota,
     InvalidRequest,
     LengthRequired,
     NotFound,
@@ -27,22 +33,28 @@ from queue_schemas.api_errors import (
 )
 from queue_schemas.batch_api import (
     CANCELLABLE,
+    COMPLETION_WINDOWS,
     BatchCreate,
     FileRecord,
+    FileSummary,
     Status,
     as_text,
     batch_object,
     create_problem,
     decode_fields,
+    expires_at,
+    expiry_problem,
     list_object,
     new_batch_fields,
     new_batch_id,
     new_file_id,
     object_key,
     page,
-    read_input,
+    scan_file,
 )
 from queue_schemas.clients import mget_any
+from queue_schemas.keys import hash_api_key
+from queue_schemas.quota_gate import day_budget_left
 
 router = APIRouter()
 
@@ -76,9 +88,10 @@ async def _file(ctx: Context, team: str, file_id: str) -> FileRecord:
         raw = await ctx.redis.get(ctx.settings.names.file_record(team, file_id))
     except RedisError as exc:
         raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
-    if raw is None:
+    record = None if raw is None else FileRecord.model_validate_json(raw)
+    if record is None or record.expired(time.time()):  # an expired file waits for the sweep: gone
         raise _not_found("file", file_id)
-    return FileRecord.model_validate_json(raw)
+    return record
 
 
 UPLOAD_SCHEMA = {
@@ -110,8 +123,14 @@ def query_schema(*params: tuple[str, dict[str, Any]]) -> dict[str, Any]:
 AFTER = ("after", {"type": "string"})
 
 
+def _storage(ctx: IngressContext) -> TeamStorage:
+    return TeamStorage(ctx.redis, ctx.settings.names, ctx.settings.team_caps())
+
+
 @router.post("/v1/files", openapi_extra=UPLOAD_SCHEMA)
 async def upload_file(request: Request, ctx: Context, team: Team) -> JSONResponse:
+    """The upload is spooled to disk by the form parser, checked line by line in a thread, then copied
+    to the file store in pieces: neither the event loop nor memory ever holds it whole."""
     limit = ctx.settings.files_max_bytes
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
@@ -119,7 +138,7 @@ async def upload_file(request: Request, ctx: Context, team: Team) -> JSONRespons
     if int(declared) > limit + MULTIPART_SLACK:
         raise PayloadTooLarge(f"The file exceeds the {limit}-byte limit.")
     try:
-        form = await request.form(max_files=1, max_fields=2)
+        form = await request.form(max_files=1, max_fields=4)
     except Exception as exc:  # starlette raises its own parse errors for malformed forms
         raise InvalidRequest(f"The upload is not a valid multipart form: {exc}") from None
     purpose, upload = form.get("purpose"), form.get("file")
@@ -129,27 +148,46 @@ async def upload_file(request: Request, ctx: Context, team: Team) -> JSONRespons
         )
     if not isinstance(upload, UploadFile):
         raise InvalidRequest("The form must carry the file in the field 'file'.", param="file")
-    data = await upload.read()
-    if len(data) > limit:
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    problem = expiry_problem(anchor, seconds)
+    if problem is not None:
+        raise InvalidRequest(problem, param="expires_after")
+    size = upload.size or 0
+    if size > limit:
         raise PayloadTooLarge(f"The file exceeds the {limit}-byte limit.")
-    lines = read_input(data)
-    if isinstance(lines, str):
+    summary = await asyncio.to_thread(_scan, upload.file)
+    if isinstance(summary, str):
         raise InvalidRequest(
-            f"The file is not a valid batch input file. {lines}", param="file", code="invalid_file"
+            f"The file is not a valid batch input file. {summary}", param="file", code="invalid_file"
         )
     names = ctx.settings.names
     file_id = new_file_id()
+    now = int(time.time())
+    filename = (upload.filename or "input.jsonl")[:256].encode(errors="replace").decode()
     record = FileRecord(
-        id=file_id, team=team.team, purpose="batch", filename=(upload.filename or "input.jsonl")[:256],
-        bytes=len(data), created_at=int(time.time()), key=object_key(team.team, file_id), lines=len(lines),
+        id=file_id, team=team.team, purpose="batch", filename=filename, bytes=size, created_at=now,
+        key=object_key(team.team, file_id), lines=summary.requests, endpoints=summary.endpoints,
+        expires_at=expires_at(now, seconds, ctx.settings.file_expiry_s),
     )  # fmt: skip
-    await ctx.files.put(record.key, data)
+    storage = _storage(ctx)
+    await storage.take(team.team, {FILES: 1, BYTES: size})
     try:
-        await ctx.redis.set(names.file_record(team.team, file_id), record.model_dump_json())
-        await ctx.redis.zadd(names.files(team.team), {file_id: time.time()})
-    except RedisError as exc:
-        raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+        await upload.seek(0)
+        await ctx.files.put_file(record.key, upload.file)
+        await save_file_record(ctx.redis, names, record)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            await storage.give(team.team, {FILES: 1, BYTES: size})
+            await ctx.files.delete(record.key)
+        if isinstance(exc, RedisError):
+            raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+        raise
     return JSONResponse(record.public())
+
+
+def _scan(stream: BinaryIO) -> FileSummary | str:
+    stream.seek(0)
+    return scan_file(stream)
 
 
 @router.get(
@@ -173,7 +211,7 @@ async def list_files(request: Request, ctx: Context, team: Team) -> dict[str, An
     for raw in await mget_any(ctx.redis, [names.file_record(team.team, i) for i in file_ids]):
         if raw is not None:
             record = FileRecord.model_validate_json(raw)
-            if purpose is None or record.purpose == purpose:
+            if (purpose is None or record.purpose == purpose) and not record.expired(time.time()):
                 records.append(record)
     ids, has_more = page([r.id for r in records], request.query_params.get("after"), limit)
     by_id = {r.id: r for r in records}
@@ -197,11 +235,11 @@ async def file_content(file_id: str, ctx: Context, team: Team) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, ctx: Context, team: Team) -> dict[str, Any]:
-    record = await _file(ctx, team.team, file_id)
-    names = ctx.settings.names
-    await ctx.redis.delete(names.file_record(team.team, file_id))
-    await ctx.redis.zrem(names.files(team.team), file_id)
-    await ctx.files.delete(record.key)
+    await _file(ctx, team.team, file_id)
+    try:
+        await remove_file(ctx.redis, ctx.settings.names, ctx.files, _storage(ctx), team.team, file_id)
+    except RedisError as exc:
+        raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
     return {"id": file_id, "object": "file", "deleted": True}
 
 
@@ -233,14 +271,26 @@ async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, 
     if source.purpose != "batch":
         raise InvalidRequest(f"The file {source.id} was not uploaded for batch.", param="input_file_id")
     names = ctx.settings.names
+    try:
+        left = await day_budget_left(ctx.redis, names, team.team, team.limits)
+    except RedisError as exc:
+        raise ServiceUnavailable("The quota store is unreachable; retry shortly.") from exc
+    if left is not None and left <= 0:
+        raise InsufficientQuota("The team's daily token budget is spent; the batch would not run.")
     batch_id = new_batch_id()
     now = time.time()
-    fields = new_batch_fields(batch_id, team.key, body, source.lines, now)
+    key_hash = hash_api_key(bearer_token(request.headers.get("authorization")))
+    fields = new_batch_fields(batch_id, team.key, body, source.lines, now, key_hash)
+    fields["capped"] = "1"  # its share of the caps is given back once, when it is retired
+    storage = _storage(ctx)
+    await storage.take(team.team, {BATCHES: 1, BATCH_LINES: source.lines})
     try:
         await ctx.redis.hset(names.batch_record(team.team, batch_id), mapping=fields)  # type: ignore[arg-type]
         await ctx.redis.zadd(names.batches(team.team), {batch_id: now})
         await ctx.redis.sadd(names.active_batches(), f"{team.team}/{batch_id}")
     except RedisError as exc:
+        with contextlib.suppress(RedisError):
+            await storage.give(team.team, {BATCHES: 1, BATCH_LINES: source.lines})
         raise ServiceUnavailable("The batch index is unreachable; retry shortly.") from exc
     return batch_object(fields)
 
@@ -252,6 +302,9 @@ async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, 
 async def list_batches(request: Request, ctx: Context, team: Team) -> dict[str, Any]:
     limit = _limit(request, 20, 100)
     names = ctx.settings.names
+    horizon = time.time() - ctx.settings.batch_retain_s - max(COMPLETION_WINDOWS.values())
+    with contextlib.suppress(RedisError):  # records older than any kept one are gone: so are their ids
+        await ctx.redis.zremrangebyscore(names.batches(team.team), "-inf", horizon)
     ids = await _ids(ctx, names.batches(team.team), descending=True)
     chosen, has_more = page(ids, request.query_params.get("after"), limit)
     data = []

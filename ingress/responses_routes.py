@@ -35,6 +35,7 @@ from ingress.routes import (
     read_json_body,
 )
 from ingress.streams import RESYNC, HubDisconnected, Subscription
+from ingress.team_caps import TeamStorage
 from queue_schemas.admission import parse_body
 from queue_schemas.api_errors import InvalidRequest, NotFound, ServiceUnavailable, from_bus_error
 from queue_schemas.messages import ErrorChunk, InferenceRequest
@@ -103,11 +104,15 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
     inference, headers = admitted.inference, admitted.headers
     record = record_of(body, inference, inference.adapter or pool.model, admitted.plan)
     if body.store:
+        storage = TeamStorage(ctx.redis, ctx.settings.names, ctx.settings.team_caps())
         try:
+            await storage.hold_response(team.team, inference.request_id, record.deadline + keep_s)
             await ctx.responses.save(record)
-        except RedisError as exc:
+        except BaseException as exc:
             await ctx.release(inference.team, inference.request_id)
-            raise ServiceUnavailable("Responses cannot be stored now; retry shortly.") from exc
+            if isinstance(exc, RedisError):
+                raise ServiceUnavailable("Responses cannot be stored now; retry shortly.") from exc
+            raise
     events = ResponseEvents(record)
     try:
         if body.background and not body.stream:
@@ -280,6 +285,9 @@ async def delete_response(response_id: str, ctx: Context, team: Team) -> JSONRes
             await ctx.responses.cancel(record)
             ctx.cancel_soon(record.request_id, "response deleted")
         await ctx.responses.delete(record.request_id)
+        await TeamStorage(ctx.redis, ctx.settings.names, ctx.settings.team_caps()).drop_response(
+            team.team, record.request_id
+        )
     except RedisError as exc:
         raise ServiceUnavailable("The response cannot be deleted now; retry shortly.") from exc
     return JSONResponse({"id": record.response_id, "object": "response.deleted", "deleted": True})

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from ingress.team_caps import TeamCaps
 from queue_schemas.batch_api import MAX_FILE_BYTES
 from queue_schemas.messages import MAX_KEEP_LOG_S
 from queue_schemas.settings import BusSettings
@@ -38,3 +39,32 @@ class IngressSettings(BusSettings):
         gt=0,
         description="how long a usage entry taken by a relay may stay unsent before another relay takes it",
     )
+    files_per_team: int = Field(default=500, gt=0, description="files (uploaded and results) a team may keep")
+    file_bytes_per_team: int = Field(
+        default=2 * 1024**3, gt=0, description="bytes of files (uploaded and results) a team may keep"
+    )
+    file_expiry_s: int = Field(
+        default=30 * 24 * 3600,
+        ge=3600,
+        le=30 * 24 * 3600,
+        description="how long a file is kept when its upload names no expires_after (batch results too)",
+    )
+    batches_per_team: int = Field(default=20, gt=0, description="batches a team may have in progress")
+    batch_lines_per_team: int = Field(
+        default=100_000, gt=0, description="requests a team's batches in progress may hold together"
+    )
+    batch_retain_s: int = Field(
+        default=30 * 24 * 3600, ge=3600, description="how long a finished batch's record is kept"
+    )
+    responses_per_team: int = Field(
+        default=256, gt=0, description="stored /v1/responses responses a team may hold at once"
+    )
+
+    def team_caps(self) -> TeamCaps:
+        return TeamCaps(
+            files=self.files_per_team,
+            file_bytes=self.file_bytes_per_team,
+            active_batches=self.batches_per_team,
+            batch_lines=self.batch_lines_per_team,
+            stored_responses=self.responses_per_team,
+        )

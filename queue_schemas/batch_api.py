@@ -15,21 +15,28 @@ Pure: file checks, ids, state decisions and the OpenAI objects. Reading and writ
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from queue_schemas.batch import ENDPOINTS, failure_answer, http_answer
+from queue_schemas.boundary import InputLimits, InputRefused, load_untrusted
 from queue_schemas.keys import TeamKey
 
 # OpenAI's limits on a batch input file.
 MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_REQUESTS = 50_000
+# A line becomes one Kafka record (1 MiB by default on the broker and producer): half of it leaves room
+# for the submission's own fields and the signature.
+MAX_LINE_BYTES = 512 * 1024
+LINE_LIMITS = InputLimits(max_string_chars=MAX_LINE_BYTES)
 COMPLETION_WINDOWS = {"24h": 24 * 3600.0}
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 # How long a cancelled batch waits for the answers of lines already with workers (each is answered
@@ -91,13 +98,39 @@ class FileRecord(BaseModel):
     created_at: int
     key: str
     lines: int = 0
+    endpoints: dict[str, int] = Field(default_factory=dict)  # url -> first line (1-based) that uses it
+    expires_at: int | None = None
 
     def public(self) -> dict[str, Any]:
         return {
             "id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
             "filename": self.filename, "purpose": self.purpose, "status": "processed",
-            "status_details": None, "expires_at": None,
+            "status_details": None, "expires_at": self.expires_at,
         }  # fmt: skip
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
+
+# OpenAI's bounds on `expires_after.seconds` (one hour to thirty days).
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
+
+
+def expiry_problem(anchor: object, seconds: object) -> str | None:
+    """What is wrong with an `expires_after` (anchor and seconds as sent), or None."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        return "expires_after.anchor must be 'created_at'."
+    text = str(seconds) if isinstance(seconds, (str, int)) and not isinstance(seconds, bool) else ""
+    if not text.isdigit() or not MIN_EXPIRY_S <= int(text) <= MAX_EXPIRY_S:
+        return f"expires_after.seconds must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}."
+    return None
+
+
+def expires_at(created_at: int, seconds: object, default_s: int) -> int:
+    """When a file expires: `seconds` after its creation if given (checked by expiry_problem)."""
+    return created_at + (int(str(seconds)) if seconds is not None else default_s)
 
 
 def object_key(team: str, file_id: str) -> str:
@@ -112,37 +145,111 @@ class InputLine:
     body: dict[str, Any]
 
 
-def read_input(data: bytes) -> list[InputLine] | str:
-    """Every request line of a batch input file, or why the file is refused: the checks `sluice batch`
-    makes (JSON object, a unique non-empty custom_id, POST to a served endpoint, a body object naming a
-    model) and OpenAI's limits. Blank lines are skipped."""
-    if len(data) > MAX_FILE_BYTES:
-        return f"The file exceeds the {MAX_FILE_BYTES}-byte limit for batch input."
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
-        return "The file is not UTF-8 text."
-    lines: list[InputLine] = []
-    seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines()):
+@dataclass(frozen=True, slots=True)
+class FileSummary:
+    """What checking a whole input file found: its requests and, per url, the first line using it."""
+
+    requests: int
+    endpoints: dict[str, int]
+
+
+class FileScan:
+    """Checks an input file line by line as it is read, holding only a digest of each custom_id: the
+    checks `sluice batch` makes (JSON object through the input boundary, a unique non-empty custom_id,
+    POST to a served endpoint, a body object naming a model), a line within MAX_LINE_BYTES, and
+    OpenAI's limits. Blank lines are skipped."""
+
+    def __init__(self) -> None:
+        self.problem: str | None = None
+        self.number = 0  # lines read, blank ones included
+        self.size = 0
+        self.requests = 0
+        self.endpoints: dict[str, int] = {}
+        self._seen: set[bytes] = set()
+
+    def add(self, raw: bytes) -> None:
+        """One line as read from the file (with its newline, if it had one)."""
+        if self.problem is not None:
+            return
+        self.size += len(raw)
+        self.number += 1
+        if self.size > MAX_FILE_BYTES:
+            self.problem = f"The file exceeds the {MAX_FILE_BYTES}-byte limit for batch input."
+            return
+        if len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+            self.problem = f"Line {self.number}: longer than the {MAX_LINE_BYTES}-byte limit of a line"
+            return
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            self.problem = "The file is not UTF-8 text."
+            return
         if not raw.strip():
-            continue
-        line = _input_line(raw, number, seen)
+            return
+        line = parse_line(raw, self.number - 1, self._seen)
         if isinstance(line, str):
-            return f"Line {number + 1}: {line}"
-        lines.append(line)
-        if len(lines) > MAX_REQUESTS:
-            return f"The file has more than {MAX_REQUESTS} requests."
-    if not lines:
-        return "The file holds no requests."
-    return lines
+            self.problem = f"Line {self.number}: {line}"
+            return
+        self.endpoints.setdefault(line.url, line.number)
+        self.requests += 1
+        if self.requests > MAX_REQUESTS:
+            self.problem = f"The file has more than {MAX_REQUESTS} requests."
+
+    def result(self) -> FileSummary | str:
+        if self.problem is not None:
+            return self.problem
+        if not self.requests:
+            return "The file holds no requests."
+        return FileSummary(self.requests, dict(self.endpoints))
 
 
-def _input_line(raw: str, number: int, seen: set[str]) -> InputLine | str:
+def read_lines(stream: BinaryIO) -> Iterator[bytes]:
+    """The lines of a binary file, each cut at MAX_LINE_BYTES + 2 bytes so a line without an end never
+    fills memory (FileScan refuses the cut line)."""
+    while True:
+        raw = stream.readline(MAX_LINE_BYTES + 2)
+        if not raw:
+            return
+        yield raw
+        if not raw.endswith(b"\n"):  # a cut line: skip to its end without keeping it
+            while raw and not raw.endswith(b"\n"):
+                raw = stream.readline(MAX_LINE_BYTES + 2)
+
+
+def scan_file(stream: BinaryIO) -> FileSummary | str:
+    """Check a whole input file from `stream` (blocking: run it in a thread)."""
+    scan = FileScan()
+    for raw in read_lines(stream):
+        scan.add(raw)
+        if scan.problem is not None:
+            break
+    return scan.result()
+
+
+def read_input(data: bytes) -> list[InputLine] | str:
+    """Every request line of a small input file held in memory, or why it is refused (as FileScan)."""
+    scan = FileScan()
+    lines: list[InputLine] = []
+    for raw in read_lines(io.BytesIO(data)):
+        scan.add(raw)
+        if scan.problem is not None:
+            return scan.problem
+        if raw.strip():
+            line = parse_line(raw, scan.number - 1, set())
+            assert not isinstance(line, str)
+            lines.append(line)
+    result = scan.result()
+    return result if isinstance(result, str) else lines
+
+
+def parse_line(raw: bytes, number: int, seen: set[bytes]) -> InputLine | str:
+    """One request line, or why it is refused. `seen` holds digests of the custom_ids before it."""
     try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        return f"not valid JSON ({exc})"
+        obj = load_untrusted(raw, LINE_LIMITS)
+    except InputRefused as exc:
+        if exc.message.startswith("The body is not valid JSON"):
+            return "not valid JSON" + exc.message.removeprefix("The body is not valid JSON")
+        return exc.message
     if not isinstance(obj, dict):
         return "not a JSON object"
     unknown = set(obj) - {"custom_id", "method", "url", "body"}
@@ -151,9 +258,10 @@ def _input_line(raw: str, number: int, seen: set[str]) -> InputLine | str:
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
         return "custom_id must be a string of 1 to 512 characters"
-    if custom_id in seen:
+    digest = hashlib.sha256(custom_id.encode()).digest()[:16]
+    if digest in seen:
         return f"custom_id {custom_id!r} appears more than once"
-    seen.add(custom_id)
+    seen.add(digest)
     if obj.get("method") != "POST":
         return "method must be POST"
     url = obj.get("url")
@@ -169,8 +277,27 @@ def _input_line(raw: str, number: int, seen: set[str]) -> InputLine | str:
     return InputLine(number, custom_id, url, body)
 
 
-def endpoints_of(lines: list[InputLine]) -> set[str]:
-    return {line.url for line in lines}
+def request_lines(data: bytes, at_end: bool, most: int) -> list[tuple[InputLine, int]]:
+    """Up to `most` request lines at the start of `data` (a window of a file already checked at upload,
+    read from a line's start), each with the offset in `data` just past it. A last line without its
+    newline counts only when the window reaches the file's end."""
+    lines: list[tuple[InputLine, int]] = []
+    used = 0
+    number = 0
+    while used < len(data) and len(lines) < most:
+        end = data.find(b"\n", used)
+        if end < 0 and not at_end:
+            break
+        stop = len(data) if end < 0 else end + 1
+        raw = data[used:stop]
+        used = stop
+        if raw.strip():
+            line = parse_line(raw, number, set())
+            if isinstance(line, str):
+                raise ValueError(f"a line of a checked file no longer parses: {line}")
+            lines.append((line, used))
+        number += 1
+    return lines
 
 
 class BatchCreate(BaseModel):
@@ -191,6 +318,9 @@ def create_problem(body: BatchCreate) -> tuple[str, str] | None:
         return f"endpoint must be one of {', '.join(ENDPOINTS)}.", "endpoint"
     if body.completion_window not in COMPLETION_WINDOWS:
         return f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}.", "completion_window"
+    expiry = output_expiry_problem(body)
+    if expiry is not None:
+        return expiry, "output_expires_after"
     metadata = body.metadata or {}
     if len(metadata) > MAX_METADATA_PAIRS:
         return f"metadata holds at most {MAX_METADATA_PAIRS} pairs.", "metadata"
@@ -204,8 +334,15 @@ def create_problem(body: BatchCreate) -> tuple[str, str] | None:
     return None
 
 
+def output_expiry_problem(body: BatchCreate) -> str | None:
+    after = body.output_expires_after
+    if after is None:
+        return None
+    return expiry_problem(after.get("anchor"), after.get("seconds"))
+
+
 def new_batch_fields(
-    batch_id: str, key: TeamKey, body: BatchCreate, input_lines: int, now: float
+    batch_id: str, key: TeamKey, body: BatchCreate, input_lines: int, now: float, key_hash: str = ""
 ) -> dict[str, str]:
     """The hash of a batch just created. The key that created it is kept whole: its lines may use only
     the pools and adapters it may."""
@@ -224,8 +361,11 @@ def new_batch_fields(
         "expires_at": str(int(now + window)),
         "total": str(input_lines),
         "cursor": "0",
+        "offset": "0",  # byte offset in the input file of the line at `cursor`
         "completed": "0",
         "failed": "0",
+        "key_hash": key_hash,  # the key is looked up each round: a revoked key cancels the batch
+        "output_expires_s": str((body.output_expires_after or {}).get("seconds") or ""),
     }
 
 

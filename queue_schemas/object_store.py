@@ -6,15 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from queue_schemas.model_store import default_s3_client, parse_s3
+
+COPY_PIECE = 1024 * 1024
 
 
 class ObjectStore(Protocol):
     async def put(self, key: str, data: bytes) -> None: ...
+
+    async def put_file(self, key: str, stream: BinaryIO) -> None:
+        """Store what `stream` holds from its current position, read in pieces (never whole)."""
+        ...
+
+    async def read_range(self, key: str, start: int, size: int) -> bytes:
+        """Up to `size` bytes from `start`; FileNotFoundError when there is no object."""
+        ...
 
     async def get(self, key: str) -> bytes:
         """The object's bytes; FileNotFoundError when there is none."""
@@ -43,8 +54,28 @@ class LocalStore:
         tmp.write_bytes(data)
         os.replace(tmp, path)  # readers see the whole object or none
 
+    async def put_file(self, key: str, stream: BinaryIO) -> None:
+        await asyncio.to_thread(self._put_file, self._path(key), stream)
+
+    @staticmethod
+    def _put_file(path: Path, stream: BinaryIO) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".part")
+        with tmp.open("wb") as out:
+            shutil.copyfileobj(stream, out, COPY_PIECE)
+        os.replace(tmp, path)
+
     async def get(self, key: str) -> bytes:
         return await asyncio.to_thread(self._path(key).read_bytes)
+
+    async def read_range(self, key: str, start: int, size: int) -> bytes:
+        return await asyncio.to_thread(self._read_range, self._path(key), start, size)
+
+    @staticmethod
+    def _read_range(path: Path, start: int, size: int) -> bytes:
+        with path.open("rb") as f:
+            f.seek(start)
+            return f.read(size)
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._path(key).unlink, missing_ok=True)
@@ -67,13 +98,26 @@ class S3Store:
     async def get(self, key: str) -> bytes:
         return await asyncio.to_thread(self._get, self._key(key))
 
-    def _get(self, key: str) -> bytes:
+    def _get(self, key: str, byte_range: str | None = None) -> bytes:
+        extra = {"Range": byte_range} if byte_range else {}
         try:
-            reply = self._client.get_object(Bucket=self.bucket, Key=key)
+            reply = self._client.get_object(Bucket=self.bucket, Key=key, **extra)
         except self._client.exceptions.NoSuchKey:
             raise FileNotFoundError(key) from None
+        except self._client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # from the end on: nothing
+            raise
         body: bytes = reply["Body"].read()
         return body
+
+    async def put_file(self, key: str, stream: BinaryIO) -> None:
+        await asyncio.to_thread(self._client.upload_fileobj, stream, self.bucket, self._key(key))
+
+    async def read_range(self, key: str, start: int, size: int) -> bytes:
+        if size <= 0:
+            return b""
+        return await asyncio.to_thread(self._get, self._key(key), f"bytes={start}-{start + size - 1}")
 
     async def delete(self, key: str) -> None:
         await asyncio.to_thread(self._client.delete_object, Bucket=self.bucket, Key=self._key(key))

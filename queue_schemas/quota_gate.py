@@ -21,6 +21,7 @@ from queue_schemas.quota import (
     Verdict,
     reserve_keys,
     seconds_to_refill,
+    utc_day,
 )
 
 MAX_RETRY_AFTER_S = 120
@@ -112,3 +113,12 @@ class QuotaGate:
         if reservation.verdict != Verdict.ADMITTED:
             raise refusal(limits, reservation, cost)
         return rate_limit_headers(limits, reservation)
+
+
+async def day_budget_left(redis: aioredis.Redis, names: Names, team: str, limits: TeamLimits) -> int | None:
+    """Tokens left of the team's daily budget (None: no daily limit), read without reserving: the cheap
+    check made before work whose cost is not known yet (a batch, a batch line before tokenizing)."""
+    if not limits.daily_tokens:
+        return None
+    used = await redis.get(names.quota_day(team, utc_day(time.time())))  # RedisError: the caller's
+    return limits.daily_tokens - int(used or 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,3 +58,15 @@ async def test_a_local_key_cannot_leave_the_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="leaves the store"):
         await store.put("../outside", b"x")
     assert not (tmp_path / "outside").exists()
+
+
+async def test_a_file_is_stored_from_a_stream_and_read_back_in_ranges(store: ObjectStore) -> None:
+    data = b"".join(f'{{"line": {n}}}\n'.encode() for n in range(10_000))
+    await store.put_file("files/acme/big", io.BytesIO(data))
+    assert await store.get("files/acme/big") == data
+    assert await store.read_range("files/acme/big", 0, 13) == data[:13]
+    assert await store.read_range("files/acme/big", 1000, 5000) == data[1000:6000]
+    assert await store.read_range("files/acme/big", len(data) - 4, 100) == data[-4:]
+    assert await store.read_range("files/acme/big", len(data), 100) == b""
+    with pytest.raises(FileNotFoundError):
+        await store.read_range("files/acme/none", 0, 10)

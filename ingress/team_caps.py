@@ -1,0 +1,128 @@
+"""Per-team caps on what a team keeps on the service: files, their bytes, active batches and the lines
+they hold, and stored responses. Each cap is checked and taken in one script, so concurrent uploads
+cannot pass it together; what is freed (a file deleted or expired, a batch retired) is given back.
+
+docs/operations.md lists the caps and their settings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from queue_schemas.api_errors import InvalidRequest, ServiceUnavailable
+from queue_schemas.names import Names
+
+# KEYS: the team's storage hash. ARGV: triples of (field, amount, cap; cap < 0 means none).
+# Adds every amount when each field stays within its cap; else adds nothing and returns the first
+# field that would pass its cap. Returns '' when taken.
+TAKE_SCRIPT = """
+for i = 1, #ARGV, 3 do
+  local cap = tonumber(ARGV[i + 2])
+  local held = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if cap >= 0 and held + tonumber(ARGV[i + 1]) > cap then return ARGV[i] end
+end
+for i = 1, #ARGV, 3 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return ''
+"""
+
+# KEYS: the team's storage hash. ARGV: pairs of (field, amount). Gives amounts back, never below 0.
+GIVE_SCRIPT = """
+for i = 1, #ARGV, 2 do
+  local left = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') - tonumber(ARGV[i + 1])
+  redis.call('HSET', KEYS[1], ARGV[i], math.max(0, left))
+end
+return 1
+"""
+
+# KEYS: the team's stored responses (sorted by expiry). ARGV: now, cap, response id, its expiry.
+# Drops what expired, then adds the response if the team holds fewer than `cap`. Returns 1 if added.
+RESPONSE_SCRIPT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 1 end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(ARGV[4])))
+return 1
+"""
+
+FILES, BYTES, BATCHES, BATCH_LINES = "files", "bytes", "batches", "batch_lines"
+
+
+@dataclass(frozen=True, slots=True)
+class TeamCaps:
+    files: int
+    file_bytes: int
+    active_batches: int
+    batch_lines: int
+    stored_responses: int
+
+
+class CapReached(InvalidRequest):
+    status = 400
+    code = "limit_reached"
+
+
+CAP_MESSAGES = {
+    FILES: "The team holds as many files as it may ({cap}); delete some or let them expire.",
+    BYTES: "The team's files would pass its {cap}-byte storage limit; delete some or let them expire.",
+    BATCHES: "The team has as many batches in progress as it may ({cap}); wait for one to finish.",
+    BATCH_LINES: "The team's batches in progress would hold more than {cap} requests; wait for some.",
+}
+
+
+def cap_of(caps: TeamCaps, field: str) -> int:
+    return {FILES: caps.files, BYTES: caps.file_bytes, BATCHES: caps.active_batches,
+            BATCH_LINES: caps.batch_lines}[field]  # fmt: skip
+
+
+class TeamStorage:
+    def __init__(self, redis: aioredis.Redis, names: Names, caps: TeamCaps) -> None:
+        self._redis = redis
+        self._names = names
+        self.caps = caps
+        self._take = redis.register_script(TAKE_SCRIPT)
+        self._give = redis.register_script(GIVE_SCRIPT)
+        self._response = redis.register_script(RESPONSE_SCRIPT)
+
+    async def take(self, team: str, amounts: dict[str, int], *, capped: bool = True) -> None:
+        """Take `amounts` of the team's caps, or raise CapReached naming the first cap it would pass.
+        Uncapped (`capped=False`) for what the service itself stores, such as a batch's result files."""
+        args: list[str | int] = []
+        for field, amount in amounts.items():
+            args += [field, amount, cap_of(self.caps, field) if capped else -1]
+        try:
+            over = await self._take(keys=[self._names.team_storage(team)], args=args)
+        except RedisError as exc:
+            raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+        field = over.decode() if isinstance(over, bytes) else str(over)
+        if field:
+            raise CapReached(CAP_MESSAGES[field].format(cap=cap_of(self.caps, field)), code="limit_reached")
+
+    async def give(self, team: str, amounts: dict[str, int]) -> None:
+        args: list[str | int] = [x for item in amounts.items() for x in item]
+        await self._give(keys=[self._names.team_storage(team)], args=args)
+
+    async def hold_response(self, team: str, response_id: str, expires_at: float) -> None:
+        """Count a stored response against the team's cap until it expires, or raise CapReached."""
+        args: list[str | int] = [
+            f"{time.time():.3f}",
+            self.caps.stored_responses,
+            response_id,
+            f"{expires_at:.3f}",
+        ]
+        try:
+            added = await self._response(keys=[self._names.team_responses(team)], args=args)
+        except RedisError as exc:
+            raise ServiceUnavailable("The response store is unreachable; retry shortly.") from exc
+        if not int(added):
+            raise CapReached(
+                f"The team holds as many stored responses as it may ({self.caps.stored_responses}); "
+                "send store=false, delete some, or wait for them to expire."
+            )
+
+    async def drop_response(self, team: str, response_id: str) -> None:
+        await self._redis.zrem(self._names.team_responses(team), response_id)
