@@ -94,6 +94,18 @@ class Names:
         """Set of `<team>/<batch id>` not yet final, which every ingress's batch keeper works through."""
         return f"{self.prefix}:batchapi:active"
 
+    def team_storage(self, team: str) -> str:
+        """Hash: what the team holds against its caps (files, bytes, batches, batch_lines)."""
+        return f"{self.prefix}:storage:{{{team}}}"
+
+    def team_responses(self, team: str) -> str:
+        """Sorted set: the team's stored responses by when each expires (counted against its cap)."""
+        return f"{self.prefix}:responses:{{{team}}}"
+
+    def file_expiry(self) -> str:
+        """Sorted set of `<team>/<file id>` by expiry time, which the batch keepers sweep."""
+        return f"{self.prefix}:files:expiry"
+
     def quota_tokens(self, team: str) -> str:
         return f"{self.prefix}:quota:tpm:{{{team}}}"
 
