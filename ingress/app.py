@@ -65,6 +65,8 @@ def create_app(settings: IngressSettings) -> FastAPI:
         keeper = BatchKeeper(
             names, pools, redis, producer, files,
             consumer_options(settings, names.batch_api_collector_group()), settings.batch_keeper_interval_s,
+            caps=settings.team_caps(), file_expiry_s=settings.file_expiry_s,
+            batch_retain_s=settings.batch_retain_s,
         )  # fmt: skip
         await keeper.start()
         relay = UsageRelay(

@@ -59,6 +59,9 @@ FAST_STATE = {
     "SLUICE_KEEPALIVE_S": "0.2",
     "SLUICE_HEARTBEAT_INTERVAL_S": "0.2",
     "SLUICE_TICK_S": "0.5",
+    # Caps small enough for the hostile-neighbour test to reach (each test uses teams of its own).
+    "SLUICE_FILES_PER_TEAM": "10",
+    "SLUICE_BATCHES_PER_TEAM": "3",
 }
 
 

@@ -22,6 +22,7 @@ from ingress.team_caps import TeamCaps
 from queue_schemas.batch_api import (
     BatchCreate,
     FileRecord,
+    as_text,
     new_batch_fields,
     new_batch_id,
     new_file_id,
@@ -78,7 +79,7 @@ class Harness:
 
     async def fields(self, team: str, batch_id: str) -> dict[str, str]:
         raw = await self.redis.hgetall(self.names.batch_record(team, batch_id))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {as_text(k): as_text(v) for k, v in raw.items()}
 
     async def answers(self, team: str, batch_id: str) -> dict[int, dict[str, object]]:
         raw = await self.redis.hgetall(self.names.batch_lines(team, batch_id))

@@ -1,0 +1,286 @@
+"""One team throws what the services cannot carry at every entry while another team streams chats and runs
+a batch. Every hostile input is refused (a 4xx, or a dead letter for a Kafka record); no process exits; the
+calm team's streams and batch complete with the exact simulated answers, and its streams never stall.
+
+Figures (largest gap between two chunks of the calm team's streams, Redis memory, ingress memory) are
+printed; run with `-s` to see them."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+
+from infra.devstack import DevStack, Endpoints
+from infra.keys import create_signing_key
+from queue_schemas.batch_api import MAX_LINE_BYTES
+from queue_schemas.names import Names
+from queue_schemas.signing import load_private_key, sign_record
+from tests.conftest import read_dead_letters
+from tests.e2e.conftest import openai_client, team_key
+from tests.e2e.test_batch_api import FINAL, chat_line, expected_text, jsonl, read_file, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+STREAM_TOKENS = 48
+MAX_GAP_S = 0.25
+DEEP = 300
+BIG_UPLOAD_BYTES = 24 * 1024 * 1024
+
+
+def nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = {"k": [value]}
+    return value
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": "sluice-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+def hostile_bodies() -> list[tuple[str, str, bytes]]:
+    """(path, what, raw JSON body) of each hostile HTTP body: surrogates are escapes, as a client sends."""
+    chat, text, responses = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+    schema = {"type": "json_schema", "name": "s", "schema": nested(DEEP)}
+    batch = {"input_file_id": "file-x", "endpoint": chat, "completion_window": "24h"}
+    bodies: list[tuple[str, str, Any]] = [
+        (chat, "stop surrogate", chat_body(stop=["\ud800"])),
+        (chat, "content surrogate", chat_body(messages=[{"role": "user", "content": "a\udfff"}])),
+        (chat, "key surrogate", chat_body(metadata={"\ud800": "v"})),
+        (chat, "NaN", chat_body(temperature=float("nan"))),
+        (chat, "overflow float", chat_body(top_p=1.0)),
+        (chat, "seed past int64", chat_body(seed=2**70)),
+        (chat, "deep nesting", chat_body(metadata=nested(DEEP))),
+        (text, "prompt surrogate", {"model": "sluice-sim", "prompt": "\ud800", "max_tokens": 4}),
+        (responses, "input surrogate", {"model": "sluice-sim", "input": "\udbff"}),
+        (responses, "deep schema", {"model": "sluice-sim", "input": "x", "text": {"format": schema}}),
+        ("/v1/batches", "metadata surrogate", {**batch, "metadata": {"k": "\ud800"}}),
+    ]
+    raw = [(path, what, json.dumps(body).encode()) for path, what, body in bodies]
+    return [(p, w, b.replace(b'"top_p": 1.0', b'"top_p": 1e999')) for p, w, b in raw]
+
+
+def hostile_files() -> list[tuple[str, bytes]]:
+    """(what, file) of each hostile upload: every one is refused at upload."""
+    ok = json.dumps(chat_line("ok", "fine")) + "\n"
+
+    def row(**over: Any) -> str:
+        line = chat_line("r", "x")
+        line.update(over)
+        return json.dumps(line) + "\n"
+
+    long = chat_line("long", "x" * (MAX_LINE_BYTES + 10))
+    return [
+        ("custom_id surrogate", (ok + row(custom_id="\ud800")).encode()),
+        ("body nested deep", (ok + row(body={"model": "sluice-sim", "metadata": nested(DEEP)})).encode()),
+        ("stop surrogate", (ok + json.dumps(chat_line("s", "x", stop=["\ud800"])) + "\n").encode()),
+        ("NaN", (ok + json.dumps(chat_line("n", "x", temperature=float("nan"))) + "\n").encode()),
+        ("line over the limit", (ok + json.dumps(long) + "\n").encode()),
+        ("not UTF-8", ok.encode() + b'{"custom_id": "\xff"}\n'),
+    ]
+
+
+def hostile_records() -> list[tuple[str, bytes]]:
+    """(what, value) of the hostile team's own signed Kafka batch records."""
+
+    def record(**body: Any) -> dict[str, Any]:
+        return {
+            "v": 1,
+            "request_id": f"r-{len(body)}",
+            "custom_id": "c",
+            "team": "hostile",
+            "body": chat_body(**body),
+        }
+
+    return [
+        ("stop surrogate", json.dumps(record(stop=["\ud800"])).encode()),
+        ("deep nesting", json.dumps(record(metadata=nested(DEEP))).encode()),
+        ("NaN", json.dumps(record(temperature=float("nan"))).encode()),
+        ("custom_id surrogate", json.dumps({**record(), "custom_id": "\udfff"}).encode()),
+    ]  # fmt: skip
+
+
+class CalmTeam:
+    """Streams chats until told to stop, recording the largest gap between two chunks of a stream."""
+
+    def __init__(self, client: openai.OpenAI) -> None:
+        self.client = client
+        self.stop = threading.Event()
+        self.max_gap_s = 0.0
+        self.streams = 0
+        self.wrong: list[str] = []
+
+    def stream_once(self, n: int) -> None:
+        content = f"calm question {n}"
+        stream = self.client.chat.completions.create(
+            model="sluice-sim", messages=[{"role": "user", "content": content}], max_tokens=STREAM_TOKENS,
+            stream=True,
+        )  # fmt: skip
+        text, last = "", None
+        for chunk in stream:
+            now = time.monotonic()
+            if chunk.choices and chunk.choices[0].delta.content:
+                if last is not None:
+                    self.max_gap_s = max(self.max_gap_s, now - last)
+                last = now
+                text += chunk.choices[0].delta.content
+        if text != expected_text(content, STREAM_TOKENS):
+            self.wrong.append(content)
+        self.streams += 1
+
+    def run(self, worker: int) -> None:
+        n = worker * 1000
+        while not self.stop.is_set():
+            self.stream_once(n)
+            n += 1
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def ingress_rss_kib(stack: DevStack) -> int:
+    return sum(rss_kib(p.popen.pid) for p in stack.processes if p.name.startswith("ingress") and p.alive)
+
+
+async def produce_signed(endpoints: Endpoints, records: list[tuple[str, bytes]]) -> None:
+    redis = aioredis.Redis.from_url(endpoints.redis_url)
+    try:
+        pem, _ = await create_signing_key(redis, Names(), "hostile")
+    finally:
+        await redis.aclose()
+    private = load_private_key(pem)
+    producer = AIOKafkaProducer(bootstrap_servers=endpoints.kafka_bootstrap)
+    await producer.start()
+    try:
+        for _, value in records:
+            await producer.send_and_wait(
+                Names().batch_topic("sim"), value, headers=sign_record(private, value)
+            )
+    finally:
+        await producer.stop()
+
+
+async def redis_memory(endpoints: Endpoints) -> int:
+    redis = aioredis.Redis.from_url(endpoints.redis_url)
+    try:
+        return int((await redis.info("memory"))["used_memory"])
+    finally:
+        await redis.aclose()
+
+
+def hostile_run(endpoints: Endpoints, key: str, stack: DevStack) -> dict[str, Any]:
+    """Every hostile input, once; what each got back."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    answers: dict[str, int] = {}
+    with httpx.Client(base_url=endpoints.url, headers=headers, timeout=60) as http:
+        for path, what, raw in hostile_bodies():
+            answers[f"{path} {what}"] = http.post(path, content=raw).status_code
+    client = openai_client(endpoints, key, timeout=120)
+    for what, data in hostile_files():
+        try:
+            client.files.create(file=("bad.jsonl", io.BytesIO(data)), purpose="batch")
+            answers[f"/v1/files {what}"] = 200
+        except openai.APIStatusError as exc:
+            answers[f"/v1/files {what}"] = exc.status_code
+    # A large valid upload, streamed through while the calm team streams; then files up to the cap.
+    line = (json.dumps(chat_line("big-{n}", "y" * 900, model="no-such-model")) + "\n").encode()
+    count = BIG_UPLOAD_BYTES // len(line)
+    big = b"".join(line.replace(b"big-{n}", f"big-{n}".encode()) for n in range(count))
+    rss_before = ingress_rss_kib(stack)
+    upload = client.files.create(file=("big.jsonl", io.BytesIO(big)), purpose="batch")
+    rss_growth = ingress_rss_kib(stack) - rss_before
+    unknown = jsonl([chat_line(f"u-{n}", "z", model="no-such-model") for n in range(200)])
+    kept = [upload.id]
+    capped: int | None = None
+    for _ in range(20):
+        try:
+            kept.append(client.files.create(file=("u.jsonl", io.BytesIO(unknown)), purpose="batch").id)
+        except openai.APIStatusError as exc:
+            capped = exc.status_code
+            break
+    answers["/v1/files past the team's file cap"] = capped or 200
+    batch_cap: int | None = None
+    for file_id in kept[1:]:
+        try:
+            client.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        except openai.APIStatusError as exc:
+            batch_cap = exc.status_code
+            break
+    answers["/v1/batches past the team's batch cap"] = batch_cap or 200
+    asyncio.run(produce_signed(endpoints, hostile_records()))
+    return {"answers": answers, "ingress_rss_growth_kib": rss_growth, "big_upload_bytes": len(big)}
+
+
+def in_threads(*jobs: Callable[[], Any]) -> list[Any]:
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [f.result() for f in futures]
+
+
+def test_a_hostile_team_cannot_stop_the_service_for_another(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    stack, endpoints = dev_stack
+    calm_key, hostile_key = team_key(endpoints, "calm"), team_key(endpoints, "hostile")
+    calm = CalmTeam(openai_client(endpoints, calm_key, timeout=60))
+    batch_client = openai_client(endpoints, calm_key, timeout=60)
+    lines = [chat_line(f"calm-{n}", f"Calm batch question {n}?") for n in range(20)]
+    upload = batch_client.files.create(file=("calm.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    memory_before = asyncio.run(redis_memory(endpoints))
+
+    def calm_batch() -> Any:
+        batch = batch_client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        return wait_for(batch_client, batch.id, lambda b: b.status in FINAL, 240)
+
+    def hostile() -> dict[str, Any]:
+        try:
+            return hostile_run(endpoints, hostile_key, stack)
+        finally:
+            calm.stop.set()
+
+    streams = [lambda w=w: calm.run(w) for w in range(3)]
+    _, _, _, finished, found = in_threads(*streams, calm_batch, hostile)
+
+    refused = {what: status for what, status in found["answers"].items() if not 400 <= status < 500}
+    assert refused == {}, f"hostile inputs not refused with a 4xx: {refused}"
+    letters = asyncio.run(read_dead_letters(endpoints.kafka_bootstrap, Names(), at_least=4))
+    ours = [letter for letter in letters if '"team": "hostile"' in letter.payload]
+    reasons = sorted(letter.reason for letter in ours)
+    assert len(ours) == len(hostile_records()), reasons
+    assert all(("surrogate" in r or "deeper" in r or "finite" in r) for r in reasons), reasons
+    assert stack.dead() == [], f"processes exited: {[p.name for p in stack.dead()]}"
+    assert calm.streams >= 3
+    assert calm.wrong == []
+    assert finished.status == "completed", finished
+    output = {line["custom_id"]: line for line in read_file(batch_client, finished.output_file_id)}
+    assert sorted(output) == sorted(line["custom_id"] for line in lines)
+    for n in range(20):
+        body = output[f"calm-{n}"]["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == expected_text(f"Calm batch question {n}?")
+    memory_after = asyncio.run(redis_memory(endpoints))
+    print(
+        f"\nhostile neighbour: {calm.streams} calm streams, largest gap between chunks "
+        f"{calm.max_gap_s * 1000:.0f} ms; Redis used_memory {memory_before / 2**20:.1f} -> "
+        f"{memory_after / 2**20:.1f} MiB; a {found['big_upload_bytes'] / 2**20:.0f} MiB upload grew the "
+        f"ingresses by {found['ingress_rss_growth_kib'] / 1024:.0f} MiB; answers {found['answers']}"
+    )
+    assert calm.max_gap_s < MAX_GAP_S, f"a calm stream stalled {calm.max_gap_s * 1000:.0f} ms"
