@@ -1,6 +1,7 @@
-"""One team throws what the services cannot carry at every entry while another team streams chats and runs
-a batch. Every hostile input is refused (a 4xx, or a dead letter for a Kafka record); no process exits; the
-calm team's streams and batch complete with the exact simulated answers, and its streams never stall.
+"""Attacks by one team on the service others use, each alone, then all together: one team throws what
+the services cannot carry at every entry while another team streams chats and runs a batch. Every hostile
+input is refused (a 4xx, or a dead letter for a Kafka record); no process exits; the calm team's streams
+and batch complete with the exact simulated answers, and its streams never stall.
 
 Figures (largest gap between two chunks of the calm team's streams, Redis memory, ingress memory) are
 printed; run with `-s` to see them."""
@@ -25,11 +26,10 @@ from aiokafka import AIOKafkaProducer
 
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_signing_key
-from queue_schemas.batch_api import MAX_LINE_BYTES
 from queue_schemas.names import Names
 from queue_schemas.signing import load_private_key, sign_record
 from tests.conftest import read_dead_letters
-from tests.e2e.conftest import openai_client, team_key
+from tests.e2e.conftest import FAST_STATE, openai_client, team_key
 from tests.e2e.test_batch_api import FINAL, chat_line, expected_text, jsonl, read_file, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +38,10 @@ STREAM_TOKENS = 48
 MAX_GAP_S = 0.25
 DEEP = 300
 BIG_UPLOAD_BYTES = 24 * 1024 * 1024
+LINE_OVER_A_RECORD = 1024 * 1024 + 4096  # past a Kafka record's default 1 MiB
+MAX_RSS_GROWTH_KIB = 100 * 1024
+FILES_CAP = int(FAST_STATE["SLUICE_FILES_PER_TEAM"])
+BATCHES_CAP = int(FAST_STATE["SLUICE_BATCHES_PER_TEAM"])
 
 
 def nested(depth: int) -> Any:
@@ -82,7 +86,7 @@ def hostile_files() -> list[tuple[str, bytes]]:
         line.update(over)
         return json.dumps(line) + "\n"
 
-    long = chat_line("long", "x" * (MAX_LINE_BYTES + 10))
+    long = chat_line("long", "x" * LINE_OVER_A_RECORD)
     return [
         ("custom_id surrogate", (ok + row(custom_id="\ud800")).encode()),
         ("body nested deep", (ok + row(body={"model": "sluice-sim", "metadata": nested(DEEP)})).encode()),
@@ -93,15 +97,15 @@ def hostile_files() -> list[tuple[str, bytes]]:
     ]
 
 
-def hostile_records() -> list[tuple[str, bytes]]:
-    """(what, value) of the hostile team's own signed Kafka batch records."""
+def hostile_records(team: str) -> list[tuple[str, bytes]]:
+    """(what, value) of a hostile team's own signed Kafka batch records."""
 
     def record(**body: Any) -> dict[str, Any]:
         return {
             "v": 1,
             "request_id": f"r-{len(body)}",
             "custom_id": "c",
-            "team": "hostile",
+            "team": team,
             "body": chat_body(**body),
         }
 
@@ -159,10 +163,10 @@ def ingress_rss_kib(stack: DevStack) -> int:
     return sum(rss_kib(p.popen.pid) for p in stack.processes if p.name.startswith("ingress") and p.alive)
 
 
-async def produce_signed(endpoints: Endpoints, records: list[tuple[str, bytes]]) -> None:
+async def produce_signed(endpoints: Endpoints, team: str, records: list[tuple[str, bytes]]) -> None:
     redis = aioredis.Redis.from_url(endpoints.redis_url)
     try:
-        pem, _ = await create_signing_key(redis, Names(), "hostile")
+        pem, _ = await create_signing_key(redis, Names(), team)
     finally:
         await redis.aclose()
     private = load_private_key(pem)
@@ -226,7 +230,7 @@ def hostile_run(endpoints: Endpoints, key: str, stack: DevStack) -> dict[str, An
             batch_cap = exc.status_code
             break
     answers["/v1/batches past the team's batch cap"] = batch_cap or 200
-    asyncio.run(produce_signed(endpoints, hostile_records()))
+    asyncio.run(produce_signed(endpoints, "hostile", hostile_records("hostile")))
     return {"answers": answers, "ingress_rss_growth_kib": rss_growth, "big_upload_bytes": len(big)}
 
 
@@ -234,6 +238,145 @@ def in_threads(*jobs: Callable[[], Any]) -> list[Any]:
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(job) for job in jobs]
         return [f.result() for f in futures]
+
+
+def chat_answers(endpoints: Endpoints, key: str, content: str) -> None:
+    """One chat on the default pool, answered with its exact simulated text."""
+    client = openai_client(endpoints, key, timeout=30)
+    answer = client.chat.completions.create(
+        model="sluice-sim", messages=[{"role": "user", "content": content}], max_tokens=16
+    )
+    assert answer.choices[0].message.content == expected_text(content, 16)
+
+
+def small_batch(endpoints: Endpoints, team: str) -> None:
+    """A three-line batch of another team, completed with its exact answers."""
+    client = openai_client(endpoints, team_key(endpoints, team), timeout=30)
+    lines = [chat_line(f"{team}-{n}", f"{team} asks {n}") for n in range(3)]
+    upload = client.files.create(file=("ok.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_for(client, batch.id, lambda b: b.status in FINAL, 60)
+    assert done.status == "completed"
+    output = {line["custom_id"]: line for line in read_file(client, done.output_file_id)}
+    for n in range(3):
+        body = output[f"{team}-{n}"]["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == expected_text(f"{team} asks {n}")
+
+
+def upload_status(client: openai.OpenAI, data: bytes) -> int:
+    try:
+        client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    except openai.APIStatusError as exc:
+        return exc.status_code
+    return 200
+
+
+def test_attack_1_a_signed_record_the_models_cannot_encode_is_dead_lettered(
+    dev_stack: tuple[DevStack, Endpoints],
+) -> None:
+    stack, endpoints = dev_stack
+    team_key(endpoints, "signer")
+    value = dict(hostile_records("signer"))["stop surrogate"]
+    asyncio.run(produce_signed(endpoints, "signer", [("stop surrogate", value)]))
+
+    async def letter() -> list[str]:
+        letters = await read_dead_letters(endpoints.kafka_bootstrap, Names(), at_least=1)
+        return [x.reason for x in letters if x.payload == value.decode()]
+
+    reasons = asyncio.run(letter())
+    assert reasons, "the record was not dead-lettered"
+    assert "lone surrogate" in reasons[0]
+    chat_answers(endpoints, team_key(endpoints, "after-record"), "still placing?")
+    assert stack.dead() == [], f"processes exited: {[p.name for p in stack.dead()]}"
+
+
+def test_attack_2_a_poisoned_file_is_refused_and_batches_keep_moving(
+    dev_stack: tuple[DevStack, Endpoints],
+) -> None:
+    stack, endpoints = dev_stack
+    client = openai_client(endpoints, team_key(endpoints, "poisoner"), timeout=30)
+    for what, data in hostile_files():
+        assert upload_status(client, data) == 400, what
+    small_batch(endpoints, "bystander")
+    assert stack.dead() == []
+
+
+def test_attack_3_a_large_upload_neither_stalls_streams_nor_fills_memory(
+    dev_stack: tuple[DevStack, Endpoints],
+) -> None:
+    stack, endpoints = dev_stack
+    calm = CalmTeam(openai_client(endpoints, team_key(endpoints, "streamer"), timeout=60))
+    client = openai_client(endpoints, team_key(endpoints, "uploader"), timeout=120)
+    line = json.dumps(chat_line("big-{n}", "y" * 1400, model="no-such-model")) + "\n"
+    data = "".join(line.replace("big-{n}", f"big-{n}") for n in range(32 * 2**20 // len(line))).encode()
+
+    def upload_and_batch() -> tuple[int, list[str]]:
+        try:
+            before = ingress_rss_kib(stack)
+            upload = client.files.create(file=("big.jsonl", io.BytesIO(data)), purpose="batch")
+            batches = [
+                client.batches.create(
+                    input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+                ).id
+                for _ in range(2)
+            ]
+            time.sleep(2.0)  # the keeper validates and starts sending both while the streams go on
+            return ingress_rss_kib(stack) - before, batches
+        finally:
+            calm.stop.set()
+
+    *_, (growth_kib, batches) = in_threads(lambda: calm.run(0), lambda: calm.run(1), upload_and_batch)
+    for batch_id in batches:
+        client.batches.cancel(batch_id)
+    print(
+        f"\nlarge upload: {len(data) / 2**20:.0f} MiB and two batches from it; {calm.streams} streams, "
+        f"largest gap {calm.max_gap_s * 1000:.0f} ms; ingress memory grew {growth_kib / 1024:.0f} MiB"
+    )
+    assert calm.wrong == []
+    assert calm.streams >= 2
+    assert calm.max_gap_s < MAX_GAP_S
+    assert growth_kib < MAX_RSS_GROWTH_KIB
+
+
+def test_attack_4_files_and_batches_stop_at_the_team_caps(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    _, endpoints = dev_stack
+    client = openai_client(endpoints, team_key(endpoints, "hoarder"), timeout=30)
+    unknown = jsonl([chat_line(f"u-{n}", "z", model="no-such-model") for n in range(50)])
+
+    def upload() -> Any:
+        return client.files.create(file=("u.jsonl", io.BytesIO(unknown)), purpose="batch")
+
+    files = [upload() for _ in range(FILES_CAP)]
+    assert all(f.expires_at is not None and f.expires_at > f.created_at for f in files)
+    with pytest.raises(openai.BadRequestError) as refused:
+        upload()
+    assert refused.value.code == "limit_reached"
+
+    def create(file_id: str) -> Any:
+        return client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+    for file in files[:BATCHES_CAP]:
+        create(file.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(files[-1].id)
+    assert refused.value.code == "limit_reached"
+    client.files.delete(files[-1].id)  # a deleted file frees its place
+    upload()
+
+
+def test_attack_5_a_line_larger_than_a_record_is_refused_at_upload(
+    dev_stack: tuple[DevStack, Endpoints],
+) -> None:
+    _, endpoints = dev_stack
+    client = openai_client(endpoints, team_key(endpoints, "long-liner"), timeout=30)
+    data = dict(hostile_files())["line over the limit"]
+    with pytest.raises(openai.BadRequestError, match="Line 2"):
+        client.files.create(file=("long.jsonl", io.BytesIO(data)), purpose="batch")
+    small_batch(endpoints, "after-long-line")
 
 
 def test_a_hostile_team_cannot_stop_the_service_for_another(dev_stack: tuple[DevStack, Endpoints]) -> None:
@@ -265,7 +408,7 @@ def test_a_hostile_team_cannot_stop_the_service_for_another(dev_stack: tuple[Dev
     letters = asyncio.run(read_dead_letters(endpoints.kafka_bootstrap, Names(), at_least=4))
     ours = [letter for letter in letters if '"team": "hostile"' in letter.payload]
     reasons = sorted(letter.reason for letter in ours)
-    assert len(ours) == len(hostile_records()), reasons
+    assert len(ours) == len(hostile_records("hostile")), reasons
     assert all(("surrogate" in r or "deeper" in r or "finite" in r) for r in reasons), reasons
     assert stack.dead() == [], f"processes exited: {[p.name for p in stack.dead()]}"
     assert calm.streams >= 3
