@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from ingress.batch_keeper import STEP_FAULTS, BatchKeeper, save_file_record
-from ingress.team_caps import TeamCaps
+from ingress.team_caps import BYTES, FILES, TeamCaps
 from queue_schemas.batch_api import (
     BatchCreate,
     FileRecord,
@@ -201,3 +201,24 @@ async def test_a_revoked_key_cancels_its_batch(bus: Bus, tmp_path: Path) -> None
             error = answer["error"]
             assert isinstance(error, dict)
             assert error["message"] == "The API key that created the batch was revoked."
+
+
+async def test_expired_files_are_swept_and_their_bytes_given_back(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        storage = h.keeper.storage
+        now = int(time.time())
+        for file_id, expires in (("file-old", now - 1), ("file-new", now + 3600)):
+            record = FileRecord(
+                id=file_id, team="acme", purpose="batch", filename="f", bytes=100, created_at=now,
+                key=object_key("acme", file_id), expires_at=expires,
+            )  # fmt: skip
+            await h.keeper.store.put(record.key, b"x" * 100)
+            await storage.take("acme", {FILES: 1, BYTES: 100})
+            await save_file_record(h.redis, h.names, record)
+        await h.rounds(1)
+        assert await h.redis.get(h.names.file_record("acme", "file-old")) is None
+        assert await h.redis.get(h.names.file_record("acme", "file-new")) is not None
+        assert await h.redis.zrange(h.names.files("acme"), 0, -1) == [b"file-new"]
+        assert not (tmp_path / "files" / object_key("acme", "file-old")).exists()
+        counts = await h.redis.hgetall(h.names.team_storage("acme"))
+        assert {k: int(v) for k, v in counts.items()} == {b"files": 1, b"bytes": 100}
