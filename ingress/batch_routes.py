@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any, BinaryIO
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
@@ -59,6 +60,7 @@ from queue_schemas.quota_gate import day_budget_left
 router = APIRouter()
 
 MULTIPART_SLACK = 64 * 1024  # form boundaries and the purpose field around the file
+DOWNLOAD_PIECE = 1024 * 1024
 
 
 def _not_found(kind: str, object_id: str) -> NotFound:
@@ -225,12 +227,26 @@ async def retrieve_file(file_id: str, ctx: Context, team: Team) -> dict[str, Any
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, ctx: Context, team: Team) -> Response:
+    """The file's bytes, sent a piece at a time (a file may be hundreds of megabytes)."""
     record = await _file(ctx, team.team, file_id)
     try:
-        data = await ctx.files.get(record.key)
+        first = await ctx.files.read_range(record.key, 0, DOWNLOAD_PIECE)
     except FileNotFoundError:
         raise _not_found("file", file_id) from None
-    return Response(data, media_type="application/octet-stream")
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield first
+        offset = len(first)
+        while offset < record.bytes:
+            piece = await ctx.files.read_range(record.key, offset, DOWNLOAD_PIECE)
+            if not piece:
+                return
+            yield piece
+            offset += len(piece)
+
+    return StreamingResponse(
+        pieces(), media_type="application/octet-stream", headers={"content-length": str(record.bytes)}
+    )
 
 
 @router.delete("/v1/files/{file_id}")
