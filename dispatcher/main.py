@@ -7,7 +7,6 @@ import signal
 
 import uvloop
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from prometheus_client import start_http_server
 
 from dispatcher.service import Dispatcher
 from dispatcher.settings import DispatcherSettings
@@ -20,11 +19,12 @@ from queue_schemas.clients import (
     with_backoff,
 )
 from queue_schemas.config import ConfigError
+from queue_schemas.health import Liveness, serve_metrics_and_health
 from queue_schemas.model_store import ModelStore
 from queue_schemas.tokenizer import tokenizer_for
 
 
-async def serve(settings: DispatcherSettings) -> None:
+async def serve(settings: DispatcherSettings, liveness: Liveness | None = None) -> None:
     try:
         pool = settings.load_pools().pool(settings.pool)
         # Batch submissions without token ids are tokenized here, as ingress does for HTTP requests.
@@ -47,7 +47,7 @@ async def serve(settings: DispatcherSettings) -> None:
     )
     await with_backoff(producer.start, "kafka producer start", attempts=settings.connect_attempts)
     try:
-        await Dispatcher(settings, redis, consumer, producer, tokenizer).run(stop)
+        await Dispatcher(settings, redis, consumer, producer, tokenizer, liveness=liveness).run(stop)
     finally:
         await consumer.stop()
         await producer.stop()
@@ -56,9 +56,10 @@ async def serve(settings: DispatcherSettings) -> None:
 
 def run(settings: DispatcherSettings) -> None:
     configure_logging(settings, "dispatcher")
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    liveness = Liveness()
+    if settings.metrics_port:  # /metrics and /healthz
+        serve_metrics_and_health(settings.metrics_port, settings.metrics_host, liveness)
     try:
-        uvloop.run(serve(settings))
+        uvloop.run(serve(settings, liveness))
     except BusUnavailable as exc:
         raise SystemExit(f"sluice dispatcher: {exc}") from None

@@ -6,7 +6,6 @@ import asyncio
 import signal
 
 import uvloop
-from prometheus_client import start_http_server
 from redis.asyncio import Redis
 
 from gpu_workers.engine import Engine
@@ -16,6 +15,7 @@ from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
 from queue_schemas.clients import configure_logging, redis_client
 from queue_schemas.config import ConfigError, PoolConfig
+from queue_schemas.health import Liveness, serve_metrics_and_health
 from queue_schemas.model_store import ModelStore
 
 
@@ -41,7 +41,7 @@ def handoff_desk(
     )  # fmt: skip
 
 
-async def serve(settings: WorkerSettings) -> int:
+async def serve(settings: WorkerSettings, liveness: Liveness | None = None) -> int:
     try:
         pool = settings.load_pools().pool(settings.pool)
     except KeyError as exc:
@@ -58,7 +58,7 @@ async def serve(settings: WorkerSettings) -> int:
     engine = build_engine(pool, settings)
     worker = Worker(
         settings, engine, redis, pool.model, pool.max_running, pool.light_slots,
-        handoff_desk(pool, settings, engine, redis),
+        handoff_desk(pool, settings, engine, redis), liveness,
     )  # fmt: skip
     worker.tensor_parallel_size = pool.tensor_parallel_size
     try:
@@ -69,8 +69,9 @@ async def serve(settings: WorkerSettings) -> int:
 
 def run(settings: WorkerSettings) -> None:
     configure_logging(settings, "worker")
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.metrics_host)
-    code = uvloop.run(serve(settings))
+    liveness = Liveness()
+    if settings.metrics_port:  # /metrics and /healthz
+        serve_metrics_and_health(settings.metrics_port, settings.metrics_host, liveness)
+    code = uvloop.run(serve(settings, liveness))
     if code:
         raise SystemExit(code)

@@ -28,6 +28,7 @@ from gpu_workers.engine import Engine, EngineError
 from gpu_workers.handoff import KvTransfer, PrefillRate, kv_folder, remove_kv, sweep
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
+from queue_schemas.health import item_failed
 from queue_schemas.messages import (
     Heartbeat,
     InferenceRequest,
@@ -43,6 +44,7 @@ log = structlog.get_logger("sluice.worker.handoff")
 WAIT_SLICE_S = 0.5  # how often a waiting decode worker checks that the prefill worker is alive
 RECORD_TTL_S = 3600
 SWEEP_EVERY_S = 30.0
+PREFILL_ITEMS = "worker.prefill_job"  # the `loop` label of prefill jobs ended alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,13 +134,16 @@ class HandoffDesk:
                 self._current = len(job.request.prompt_token_ids)
                 try:
                     await self._run(job)
+                except Exception as exc:  # this job alone: its decode worker stops waiting at its deadline
+                    item_failed(PREFILL_ITEMS)
+                    log.error("prefill job dropped", error=type(exc).__name__, exc_info=True)
                 finally:
                     self._current = 0
             if self._storage is not None and time.monotonic() - swept > SWEEP_EVERY_S:
                 swept = time.monotonic()
                 try:
                     removed = await asyncio.to_thread(sweep, self._storage, self._kv_ttl_s)
-                except OSError as exc:
+                except Exception as exc:  # tried again at the next sweep
                     log.warning("handoff KV not swept", error=str(exc))
                     continue
                 if removed:
@@ -150,6 +155,7 @@ class HandoffDesk:
         try:
             self._jobs.append(decode(PrefillJob, raw))
         except SchemaError as exc:
+            item_failed(PREFILL_ITEMS)
             log.error("bad prefill job dropped", reason=str(exc))
 
     async def _run(self, job: PrefillJob) -> None:
@@ -173,6 +179,7 @@ class HandoffDesk:
         except EngineError as exc:
             error = f"prefill failed: {exc}"
         except Exception as exc:  # a fault of this job alone: it fails, the worker goes on
+            item_failed(PREFILL_ITEMS)
             log.error(
                 "prefill job raised", request_id=request.request_id, error=type(exc).__name__, exc_info=True
             )

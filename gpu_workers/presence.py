@@ -28,6 +28,8 @@ from queue_schemas.messages import Heartbeat, InferenceRequest, Priority, Worker
 log = structlog.get_logger("sluice.worker")
 
 MIN_HEARTBEAT_GAP_S = 0.05
+STALE_ROUNDS = 5  # rounds a loop may miss before /healthz calls it stuck
+STALE_FLOOR_S = 10.0  # and never sooner: a busy event loop or a slow Redis reply delays a round
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,12 @@ def state_on_drain_request(state: WorkerState, asked: bool) -> WorkerState:
     if state not in (WorkerState.READY, WorkerState.DRAINING):
         return state
     return WorkerState.DRAINING if asked else WorkerState.READY
+
+
+def stale_after_s(interval_s: float) -> float:
+    """How long a loop that makes a round every `interval_s` may go without one before it counts as
+    stuck. Pure."""
+    return max(STALE_ROUNDS * interval_s, STALE_FLOOR_S)
 
 
 async def beat_forever(

@@ -39,6 +39,7 @@ from gpu_workers.presence import (
     leave_pool,
     next_light,
     next_to_start,
+    stale_after_s,
     state_on_drain_request,
     write_state_file,
 )
@@ -54,6 +55,7 @@ from queue_schemas.answers import AnswerSink
 from queue_schemas.clients import BusUnavailable, producer_options
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
+from queue_schemas.health import Liveness, item_failed
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
@@ -75,7 +77,12 @@ RECENT_REQUESTS = 4096  # request ids a worker remembers having run, to drop an 
 log = structlog.get_logger("sluice.worker")
 
 KV_PUBLISH_INTERVAL_S = 0.05
+CONSUME_ROUND_S = 0.5  # the longest an inbox round waits for a request to end or entries to arrive
 REQUEST_FAULT = "the worker failed while serving this request"
+# What /healthz calls the worker's loops, and the `loop` label of the items each ended alone.
+INBOX_LOOP = "inbox"
+REQUEST_ITEMS = "worker.request"
+INBOX_ITEMS = "worker.inbox"
 # The abort reason of requests this worker gives up without answering: a dispatcher moves them on.
 LEAVE: tuple[str, str] = ("", "")
 
@@ -90,8 +97,10 @@ class Worker:
         max_running: int,
         light_slots: int = 0,
         handoffs: HandoffDesk | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.settings = settings
+        self.liveness = liveness or Liveness()
         self.names = settings.names
         self.engine = engine
         self.redis = redis
@@ -138,14 +147,7 @@ class Worker:
         """Serve until `stop` is set (0), or until the engine fails to start or dies (1)."""
         # An earlier process under this id left work: dispatchers move it on now, not after our start-up.
         await self.inbox.hand_over(self.settings.pool)
-        heartbeats = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        cancels = asyncio.create_task(
-            follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel)
-        )
-        kv_events = asyncio.create_task(self._kv_loop(), name="kv-events")
-        background = {heartbeats, cancels, kv_events}
-        if self.handoffs is not None and self.settings.role == "prefill":
-            background.add(asyncio.create_task(self.handoffs.serve_jobs(self._engine_ready), name="prefill"))
+        background = self._start_background()
         try:
             t0 = time.monotonic()
             try:
@@ -158,6 +160,7 @@ class Worker:
             await self.inbox.ensure()
             self.state = WorkerState.READY
             self.ready_at = time.time()
+            self.liveness.watch(INBOX_LOOP, stale_after_s=stale_after_s(CONSUME_ROUND_S))
             self._engine_ready.set()
             await self._publish_heartbeat()
             log.info(
@@ -174,7 +177,9 @@ class Worker:
             await self._drain()
             return 0
         finally:
+            self.liveness.forget(INBOX_LOOP)
             for task in background:
+                self.liveness.forget(task.get_name())
                 task.cancel()
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
             await asyncio.wait(background, timeout=2.0)
@@ -182,6 +187,23 @@ class Worker:
             await self.publisher.close()
             await self.answers.close()
             await self.engine.close()
+
+    def _start_background(self) -> set[asyncio.Task[None]]:
+        """The worker's background loops, each watched by `liveness`; those with a rhythm also beat."""
+        heartbeat_s = self.settings.heartbeat_interval_s
+        loops: list[tuple[str, Any, float | None]] = [
+            ("heartbeat", self._heartbeat_loop(), stale_after_s(heartbeat_s)),
+            ("cancels", follow_channel(self.redis, self.names.cancel_channel(), self._on_cancel), None),
+            ("kv-events", self._kv_loop(), stale_after_s(KV_PUBLISH_INTERVAL_S)),
+        ]
+        if self.handoffs is not None and self.settings.role == "prefill":
+            loops.append(("prefill", self.handoffs.serve_jobs(self._engine_ready), None))
+        background: set[asyncio.Task[None]] = set()
+        for name, coro, stale in loops:
+            task = asyncio.create_task(coro, name=name)
+            self.liveness.watch(name, task, stale_after_s=stale)
+            background.add(task)
+        return background
 
     async def _fail_worker(self, reason: str) -> None:
         """The engine cannot serve: say so in the heartbeat and stop. Requests placed here, started or
@@ -208,6 +230,7 @@ class Worker:
         reader: asyncio.Task[list[Entry]] | None = None
         try:
             while not until():
+                self.liveness.beat(INBOX_LOOP)
                 self._start_ready()
                 room = self.max_running + self.settings.inbox_lookahead - len(self._tasks) - len(self._ready)
                 if reader is None and room > 0:
@@ -218,7 +241,7 @@ class Worker:
                 if not waiting:  # no room to read ahead and nothing running: cannot happen with slots
                     await asyncio.sleep(0.05)
                     continue
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=CONSUME_ROUND_S)
                 if reader is not None and reader.done():
                     await self._take(reader)
                     reader = None
@@ -238,7 +261,10 @@ class Worker:
             await asyncio.sleep(0.5)
             return
         for entry_id, fields in entries:
-            self._accept(entry_id, fields)
+            try:
+                self._accept(entry_id, fields)
+            except Exception:  # an entry this worker cannot take: it is dropped alone
+                self._drop_entry(entry_id, "the entry could not be taken", exc_info=True)
         self._inbox_seen_empty = not entries and not self._ready
 
     def _start_ready(self) -> None:
@@ -291,8 +317,7 @@ class Worker:
         try:
             request = decode(InferenceRequest, fields.get(INBOX_FIELD, b""))
         except SchemaError as exc:
-            log.error("poison inbox entry dropped", entry=entry_id.decode(), reason=str(exc))
-            self._spawn(entry_id.decode(), self._ack(entry_id))
+            self._drop_entry(entry_id, str(exc))
             return
         rid = request.request_id
         if rid in self._tasks or any(r.request.request_id == rid for r in self._ready):
@@ -301,6 +326,12 @@ class Worker:
             self._spawn(entry_id.decode(), self._ack(entry_id))
             return
         self._ready.append(Ready(request, entry_id, next(self._arrivals)))
+
+    def _drop_entry(self, entry_id: bytes, reason: str, exc_info: bool = False) -> None:
+        item_failed(INBOX_ITEMS)
+        key = entry_id.decode(errors="replace")
+        log.error("poison inbox entry dropped", entry=key, reason=reason, exc_info=exc_info)
+        self._spawn(key, self._ack(entry_id))
 
     def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
         self._team_of[request.request_id] = request.team
@@ -312,9 +343,13 @@ class Worker:
     def _spawn(self, key: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"serve-{key}")
         self._tasks[key] = task
-        task.add_done_callback(lambda _t: self._ended(key))
+        task.add_done_callback(lambda t: self._ended(key, t))
 
-    def _ended(self, key: str) -> None:
+    def _ended(self, key: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # Raised past its own handling (acknowledging, releasing): the entry stays for recovery.
+            item_failed(REQUEST_ITEMS)
+            log.error("request task failed", key=key, exc_info=task.exception())
         self._tasks.pop(key, None)
         self._batch_running.discard(key)
         team = self._team_of.pop(key, None)
@@ -392,9 +427,7 @@ class Worker:
             log.error(
                 "request failed", request_id=request.request_id, error=type(exc).__name__, exc_info=True
             )
-            try:
-                await self._fail(out, coalescer, produced(), ErrorCode.ENGINE_ERROR, REQUEST_FAULT)
-            except (RedisError, BusUnavailable):
+            if not await self._fail_alone(out, coalescer, produced()):
                 return  # the entry stays pending for recovery
         finally:
             if pieces is not None:
@@ -481,6 +514,19 @@ class Worker:
                 await out.emit(pending)
             await out.emit(chunk)
 
+    async def _fail_alone(self, out: RequestOutput, coalescer: ChunkCoalescer, started: bool) -> bool:
+        """End a request whose handling raised with an error chunk, and count it. False when the bus is
+        down (the entry stays pending for recovery); True otherwise, even when the chunk itself could not
+        be sent, so a request that cannot be answered is acknowledged rather than tried again."""
+        item_failed(REQUEST_ITEMS)
+        try:
+            await self._fail(out, coalescer, started, ErrorCode.ENGINE_ERROR, REQUEST_FAULT)
+        except (RedisError, BusUnavailable):
+            return False
+        except Exception as exc:
+            log.error("error chunk not sent", request_id=out.request.request_id, error=type(exc).__name__)
+        return True
+
     async def _ack(self, entry_id: bytes) -> None:
         await self.inbox.done(entry_id)
 
@@ -498,6 +544,7 @@ class Worker:
     async def _kv_loop(self) -> None:
         while True:
             await asyncio.sleep(KV_PUBLISH_INTERVAL_S)
+            self.liveness.beat("kv-events")
             if self.state in (WorkerState.STARTING, WorkerState.FAILED):
                 continue
             try:
@@ -505,9 +552,23 @@ class Worker:
             except RedisError as exc:
                 # The mirror moved on: consumers see a gap and resync from the next snapshot.
                 log.warning("kv events not published", error=str(exc))
+            except Exception as exc:  # these changes are lost alone; consumers resync the same way
+                item_failed("worker.kv_events")
+                log.error("kv events dropped", error=type(exc).__name__, exc_info=True)
 
     async def _heartbeat_loop(self) -> None:
-        await beat_forever(self._publish_heartbeat, self.settings.heartbeat_interval_s, self._beat_soon)
+        await beat_forever(self._heartbeat_round, self.settings.heartbeat_interval_s, self._beat_soon)
+
+    async def _heartbeat_round(self) -> None:
+        """One heartbeat; one that cannot be built or written (other than Redis failing) is skipped."""
+        self.liveness.beat("heartbeat")
+        try:
+            await self._publish_heartbeat()
+        except RedisError:
+            raise
+        except Exception as exc:
+            item_failed("worker.heartbeat")
+            log.error("heartbeat skipped", error=type(exc).__name__, exc_info=True)
 
     async def _publish_heartbeat(self) -> None:
         if not self._exiting and self.state in (WorkerState.READY, WorkerState.DRAINING):

@@ -25,6 +25,7 @@ from ingress.streams import StreamHub
 from ingress.usage_relay import UsageRelay
 from queue_schemas.api_errors import ApiError, MethodNotAllowed, NotFound
 from queue_schemas.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
+from queue_schemas.health import Liveness
 from queue_schemas.model_store import ModelStore
 from queue_schemas.object_store import object_store
 from queue_schemas.quota_gate import QuotaGate
@@ -44,6 +45,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        liveness = Liveness()  # every background loop below registers here; /healthz reads it
         redis = redis_client(settings)
         # Its own connection, never renewed silently: a lost one must fail the streams it carried.
         hub_redis = redis_client(settings, retry=False)
@@ -52,6 +54,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             settings.names.ingress_control_channel(),
             settings.stream_outage_s,
             node_client=partial(node_client, settings),
+            liveness=liveness,
         )
         producer = AIOKafkaProducer(**producer_options(settings))
         await with_backoff(
@@ -66,11 +69,11 @@ def create_app(settings: IngressSettings) -> FastAPI:
             names, pools, redis, producer, files,
             consumer_options(settings, names.batch_api_collector_group()), settings.batch_keeper_interval_s,
             caps=settings.team_caps(), file_expiry_s=settings.file_expiry_s,
-            batch_retain_s=settings.batch_retain_s,
+            batch_retain_s=settings.batch_retain_s, liveness=liveness,
         )  # fmt: skip
         await keeper.start()
         relay = UsageRelay(
-            names, redis, producer, settings.batch_keeper_interval_s, settings.usage_claim_idle_s
+            names, redis, producer, settings.batch_keeper_interval_s, settings.usage_claim_idle_s, liveness
         )
         relay.start()
         app.state.ctx = IngressContext(
@@ -85,6 +88,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             PoolGate(redis, names),
             files,
             ResponseStore(redis, names, settings.stream_publish, settings.responses_retain_s),
+            liveness=liveness,
         )
         log.info("ingress ready", pools=[p.name for p in pools.pools])
         try:

@@ -22,6 +22,7 @@ from queue_schemas.api_errors import ServiceUnavailable
 from queue_schemas.checks import CheckRunner
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
+from queue_schemas.health import Liveness
 from queue_schemas.messages import CancelNotice, InferenceRequest, StreamEvent
 from queue_schemas.object_store import ObjectStore
 from queue_schemas.quota import settle
@@ -49,6 +50,7 @@ class IngressContext:
     responses: ResponseStore
     checks: CheckRunner = field(default_factory=CheckRunner)  # schema checks, after the quota gate
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    liveness: Liveness = field(default_factory=Liveness)  # the process's background loops, for /healthz
 
     async def read_log(self, request_id: str, from_seq: int) -> list[StreamEvent]:
         """The request's replay log from `from_seq` on, to fill a gap in its stream."""

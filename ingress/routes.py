@@ -34,6 +34,7 @@ from queue_schemas.api_errors import (
 )
 from queue_schemas.boundary import InputRefused, load_untrusted
 from queue_schemas.config import PoolConfig
+from queue_schemas.health import health_body
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
 from queue_schemas.openai_types import (
     ChatCompletionRequest,
@@ -92,8 +93,9 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 @router.get("/healthz")
 async def healthz(ctx: Context) -> JSONResponse:
-    healthy = ctx.hub.connected
-    return JSONResponse({"status": "ok" if healthy else "degraded"}, status_code=200 if healthy else 503)
+    """200 while the stream hub is connected and every background loop is alive, else 503."""
+    code, body = health_body(ctx.liveness, extra=[("redis_streams", ctx.hub.connected)])
+    return JSONResponse(body, status_code=code)
 
 
 @router.get("/metrics")

@@ -16,6 +16,11 @@ each one RESYNC, so its reader fills what it missed from the request's replay lo
 A cluster that moves a slot away tells its subscribers (SUNSUBSCRIBE without being asked): those
 streams are re-homed the same way. A connection that cannot be restored within `outage_s` gives its
 subscriptions HubDisconnected, and those requests end with an error.
+
+A message the hub cannot route is dropped and its channel's readers catch up from the log; one that
+cannot be handed to a subscription ends that subscription alone (HubDisconnected); either is counted
+in `sluice_items_failed_total{loop="ingress.stream_hub"}`. A connection's reader outlives both, and
+each reader is watched in the process's `Liveness` (/healthz).
 """
 
 from __future__ import annotations
@@ -32,10 +37,15 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from queue_schemas.clients import as_cluster
+from queue_schemas.health import Liveness, item_failed
 
 log = structlog.get_logger("sluice.ingress.streams")
 
 SUBSCRIBE_TIMEOUT_S = 5.0
+HUB_ITEMS = "ingress.stream_hub"  # the `loop` label of messages and subscriptions ended alone
+# /healthz: a reader with no round for this long is stuck. A round takes a second while connected, a
+# few while reconnecting, longer only while a cluster failover's streams are re-homed.
+READER_STALE_S = 120.0
 RESYNC = b""  # handed to a subscription after a reconnect: chunks may have been missed (never a payload)
 SINGLE = "single"  # the one connection's name on a single server
 
@@ -46,15 +56,32 @@ class HubDisconnected(Exception):
     """The pub/sub connection was lost while the subscription was open."""
 
 
+def reader_name(shard: str) -> str:
+    """A connection's reader, as its task and /healthz name it."""
+    return f"stream-hub-{shard}"
+
+
+def channel_of(msg: object) -> bytes | None:
+    """The channel a pub/sub message names, if it names one."""
+    channel = msg.get("channel") if isinstance(msg, dict) else None
+    return channel if isinstance(channel, bytes) else None
+
+
 class Subscription:
     def __init__(self, hub: StreamHub, channel: bytes) -> None:
         self.channel = channel
         self._hub = hub
         self._queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
         self.closed = False
+        self.failed = False  # ended by the hub: nothing more is routed to it
 
     def deliver(self, item: bytes | BaseException) -> None:
         self._queue.put_nowait(item)
+
+    def fail(self, exc: BaseException) -> None:
+        """End this subscription alone: its reader gets `exc` next; its owner still closes it."""
+        self.failed = True
+        self._queue.put_nowait(exc)
 
     async def next(self, within_s: float) -> bytes:
         """The next message, or TimeoutError after `within_s` seconds, or the hub's failure."""
@@ -90,8 +117,10 @@ class StreamHub:
         control_channel: str,
         outage_s: float = 30.0,
         node_client: NodeClient | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self._redis = redis
+        self.liveness = liveness or Liveness()
         self._cluster = as_cluster(redis)
         assert self._cluster is None or node_client is not None, "a cluster hub needs per-node clients"
         self._node_client = node_client
@@ -240,12 +269,15 @@ class StreamHub:
     def _open_shard(self, name: str, redis: aioredis.Redis) -> _Shard:
         shard = _Shard(name, redis)
         self._shards[name] = shard
-        shard.reader = asyncio.create_task(self._run(shard), name=f"stream-hub-{name}")
+        shard.reader = asyncio.create_task(self._run(shard), name=reader_name(name))
+        self.liveness.watch(reader_name(name), shard.reader, stale_after_s=READER_STALE_S)
         return shard
 
     async def _stop_shard(self, shard: _Shard) -> None:
         shard.retired = True
         shard.connected.clear()
+        if self._shards.get(shard.name) is shard:
+            self.liveness.forget(reader_name(shard.name))
         if shard.reader is not None and shard.reader is not asyncio.current_task():
             shard.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -330,8 +362,7 @@ class StreamHub:
                     old.channels.add(key)  # tried again when that connection is restored
                     self._shard_of[key] = old.name
                 continue
-            for sub in readers:
-                sub.deliver(RESYNC)
+            self._deliver(key, RESYNC)
 
     async def _send_subscribe(self, pubsub: PubSub, *keys: bytes) -> None:
         if self._cluster is not None:
@@ -345,6 +376,7 @@ class StreamHub:
         delay = 0.1
         lost_at: float | None = None
         while not shard.retired:
+            self.liveness.beat(reader_name(shard.name))
             try:
                 await self._connect(shard)
                 if lost_at is not None:
@@ -355,6 +387,8 @@ class StreamHub:
                 raise
             except (RedisError, OSError) as exc:
                 log.warning("pub/sub connection lost", shard=shard.name, error=str(exc))
+            except Exception as exc:  # the connection's state is unknown: start it over, as if lost
+                log.error("pub/sub reader failed; reconnecting", shard=shard.name, exc_info=exc)
             shard.connected.clear()
             now = time.monotonic()
             lost_at = now if lost_at is None else lost_at
@@ -395,24 +429,49 @@ class StreamHub:
                 raise OSError("pub/sub subscriptions were not confirmed")
             if msg["type"] in ("subscribe", "ssubscribe"):
                 pending.discard(msg["channel"])
-            await self._route(shard, msg)
+            await self._route_one(shard, msg)
         shard.connected.set()
         for key in channels:
-            for sub in self._subs.get(key, ()):
-                sub.deliver(RESYNC)
+            self._deliver(key, RESYNC)
 
     async def _read_forever(self, shard: _Shard) -> None:
         assert shard.pubsub is not None
         while True:
+            self.liveness.beat(reader_name(shard.name))
             msg = await shard.pubsub.get_message(timeout=1.0)
             if msg is not None:
-                await self._route(shard, msg)
+                await self._route_one(shard, msg)
+
+    async def _route_one(self, shard: _Shard, msg: dict[str, Any]) -> None:
+        """Route one message; one that cannot be routed is dropped alone, and its channel's readers
+        (if it names one) catch up from the log. A connection failure is raised to the reader."""
+        try:
+            await self._route(shard, msg)
+        except (RedisError, OSError):
+            raise
+        except Exception as exc:
+            item_failed(HUB_ITEMS)
+            log.error("a pub/sub message could not be routed; dropped", shard=shard.name, exc_info=exc)
+            channel = channel_of(msg)
+            if channel is not None:
+                self._deliver(channel, RESYNC)
+
+    def _deliver(self, channel: bytes, data: bytes) -> None:
+        """Hand a message to each reader of the channel; a reader it cannot be handed to ends alone."""
+        for sub in self._subs.get(channel, ()):
+            if sub.failed:
+                continue
+            try:
+                sub.deliver(data)
+            except Exception as exc:
+                item_failed(HUB_ITEMS)
+                log.error("a stream message could not be handed over; its reader ends", exc_info=exc)
+                sub.fail(HubDisconnected("the stream could not be delivered"))
 
     async def _route(self, shard: _Shard, msg: dict[str, Any]) -> None:
         kind, channel = msg["type"], msg["channel"]
         if kind in ("message", "smessage"):
-            for sub in self._subs.get(channel, ()):
-                sub.deliver(msg["data"])
+            self._deliver(channel, msg["data"])
         elif kind in ("subscribe", "ssubscribe"):
             fut = self._confirm.get(channel)
             if fut is not None and not fut.done():
@@ -427,7 +486,7 @@ class StreamHub:
             readers = self._subs.get(key, [])
             self._forget(key)
             for sub in readers:
-                sub.deliver(exc)
+                sub.fail(exc)
             fut = self._confirm.get(key)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)

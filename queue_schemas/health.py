@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import Counter, make_wsgi_app
-from socketserver import ThreadingMixIn
 
 ITEMS_FAILED = Counter(
     "sluice_items_failed_total",
@@ -97,7 +98,7 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
@@ -114,6 +115,12 @@ def serve_metrics_and_health(port: int, addr: str, liveness: Liveness) -> WSGISe
         result: Iterable[bytes] = metrics_app(environ, start_response)
         return result
 
-    server = make_server(addr, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    # The address's own family, so an IPv6 host ("::") binds as it did with start_http_server.
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Server(_ThreadingServer):
+        address_family = family
+
+    server = make_server(addr, port, app, Server, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-health", daemon=True).start()
     return server

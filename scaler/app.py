@@ -18,10 +18,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from queue_schemas.clients import admin_options, consumer_options, redis_client, with_backoff
+from queue_schemas.health import Liveness, health_body
 from scaler.backends import Backend, DryRunBackend, LocalBackend
 from scaler.dashboard import dashboard_body, report_body
 from scaler.kubernetes import KubernetesBackend
-from scaler.service import LagReader, Scaler, controllers
+from scaler.service import SCALER_LOOP, LagReader, Scaler, controllers
 from scaler.settings import ScalerSettings
 
 
@@ -49,6 +50,7 @@ def create_app(settings: ScalerSettings) -> FastAPI:
     plans = controllers(pools)  # a bad scaling section fails here, before anything starts
     backend = make_backend(settings)
     scaler: dict[str, Scaler] = {}
+    liveness = Liveness()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -63,10 +65,12 @@ def create_app(settings: ScalerSettings) -> FastAPI:
         redis = redis_client(settings)
         reader = LagReader(admin, consumer, settings.names, redis)
         scaler["loop"] = Scaler(reader, redis, backend, plans, settings.tick_s)
-        task = asyncio.create_task(scaler["loop"].run())
+        task = asyncio.create_task(scaler["loop"].run(), name=SCALER_LOOP)
+        liveness.watch(SCALER_LOOP, task)
         try:
             yield
         finally:
+            liveness.forget(SCALER_LOOP)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -81,9 +85,11 @@ def create_app(settings: ScalerSettings) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         loop = scaler.get("loop")
-        if loop is not None and not loop.healthy(settings.health_stale_s, time.monotonic()):
-            return JSONResponse({"status": "stale", "detail": "no scaling round succeeded lately"}, 503)
-        return JSONResponse({"status": "ok"})
+        if loop is None:
+            code, body = health_body(liveness)
+        else:
+            code, body = loop.health(liveness, settings.health_stale_s, time.monotonic())
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from queue_schemas.codec import encode
 from queue_schemas.config import PoolConfig, ScalingConfig
+from queue_schemas.health import Liveness, health_body, item_failed
 from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
 from queue_schemas.state import read_heartbeats
@@ -48,6 +49,8 @@ log = structlog.get_logger("sluice.scaler")
 
 SPEC_LOW_BATCH = 4.0
 SPEC_HIGH_BATCH = 8.0
+SCALER_LOOP = "scaler"  # the scaling loop, as /healthz names it
+TICK_ITEMS = "scaler.pool_tick"  # the `loop` label of pool rounds that raised
 
 
 class LagReader:
@@ -213,8 +216,9 @@ class Scaler:
                 except (KafkaError, RedisError) as exc:
                     ok = False
                     log.warning("pool tick failed", pool=name, error=str(exc))
-                except Exception as exc:
+                except Exception as exc:  # this pool's round alone: the other pools are ticked
                     ok = False
+                    item_failed(TICK_ITEMS)
                     log.error("pool tick failed", pool=name, error=type(exc).__name__, exc_info=True)
             if ok:
                 self.last_round_ok = time.monotonic()
@@ -230,6 +234,14 @@ class Scaler:
     def healthy(self, stale_s: float, now: float) -> bool:
         """Whether a round over every pool succeeded within the last `stale_s` seconds."""
         return now - self.last_round_ok <= stale_s
+
+    def health(self, liveness: Liveness, stale_s: float, now: float) -> tuple[int, dict[str, Any]]:
+        """/healthz: 503 while the loop's task is dead (`liveness`) or no round succeeded lately."""
+        rounds_ok = self.healthy(stale_s, now)
+        code, body = health_body(liveness, extra=[("scaling_rounds", rounds_ok)])
+        if not rounds_ok:
+            body["detail"] = "no scaling round succeeded lately"
+        return code, body
 
     async def tick(self, name: str) -> PoolReport:
         c = self.pools[name]
