@@ -52,6 +52,16 @@ return 1
 FILES, BYTES, BATCHES, BATCH_LINES = "files", "bytes", "batches", "batch_lines"
 
 
+def storage_keys(names: Names, team: str) -> list[str]:
+    """KEYS of TAKE_SCRIPT and GIVE_SCRIPT."""
+    return [names.team_storage(team)]
+
+
+def responses_keys(names: Names, team: str) -> list[str]:
+    """KEYS of RESPONSE_SCRIPT."""
+    return [names.team_responses(team)]
+
+
 @dataclass(frozen=True, slots=True)
 class TeamCaps:
     files: int
@@ -95,7 +105,7 @@ class TeamStorage:
         for field, amount in amounts.items():
             args += [field, amount, cap_of(self.caps, field) if capped else -1]
         try:
-            over = await self._take(keys=[self._names.team_storage(team)], args=args)
+            over = await self._take(keys=storage_keys(self._names, team), args=args)
         except RedisError as exc:
             raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
         field = over.decode() if isinstance(over, bytes) else str(over)
@@ -104,7 +114,7 @@ class TeamStorage:
 
     async def give(self, team: str, amounts: dict[str, int]) -> None:
         args: list[str | int] = [x for item in amounts.items() for x in item]
-        await self._give(keys=[self._names.team_storage(team)], args=args)
+        await self._give(keys=storage_keys(self._names, team), args=args)
 
     async def hold_response(self, team: str, response_id: str, expires_at: float) -> None:
         """Count a stored response against the team's cap until it expires, or raise CapReached."""
@@ -115,7 +125,7 @@ class TeamStorage:
             f"{expires_at:.3f}",
         ]
         try:
-            added = await self._response(keys=[self._names.team_responses(team)], args=args)
+            added = await self._response(keys=responses_keys(self._names, team), args=args)
         except RedisError as exc:
             raise ServiceUnavailable("The response store is unreachable; retry shortly.") from exc
         if not int(added):

@@ -14,6 +14,7 @@ from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
 from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
 from ingress.batch_keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
 from ingress.response_store import CANCEL_SCRIPT, cancel_keys
+from ingress.team_caps import GIVE_SCRIPT, RESPONSE_SCRIPT, TAKE_SCRIPT, responses_keys, storage_keys
 from queue_schemas.messages import TokenChunk
 from queue_schemas.names import Names
 from queue_schemas.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
@@ -42,6 +43,9 @@ def script_keys(rid: str) -> dict[str, list[str]]:
         "COLLECT_SCRIPT": collect_keys(NAMES, rid, "batch_0f"),
         "TRANSITION_SCRIPT": transition_keys(NAMES, rid, "batch_0f"),
         "CANCEL_SCRIPT": cancel_keys(NAMES, rid),
+        "TAKE_SCRIPT": storage_keys(NAMES, rid),
+        "GIVE_SCRIPT": storage_keys(NAMES, rid),
+        "RESPONSE_SCRIPT": responses_keys(NAMES, rid),
         "LEASE_SCRIPT": [
             NAMES.partition_lease(rid).format(topic=t, partition=p)
             for t in (NAMES.requests_topic(rid), NAMES.batch_topic(rid))
@@ -71,7 +75,7 @@ def test_every_script_in_the_code_is_checked_here() -> None:
 
 SCRIPTS = [
     CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT,
-    COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT,
+    COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT, TAKE_SCRIPT, GIVE_SCRIPT, RESPONSE_SCRIPT,
 ]  # fmt: skip
 
 
