@@ -7,6 +7,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from aiokafka import AIOKafkaProducer, ConsumerRecord
+from aiokafka.errors import KafkaError
 
 from dispatcher import metrics
 from dispatcher.hold import Held
@@ -98,11 +99,23 @@ class Acts:
         return "placed" if outcome == "placed" else "redelivered"
 
     async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
-        """Send the record to the dead-letter topic; BusUnavailable if the broker does not take it."""
+        """Send the record to the dead-letter topic; BusUnavailable if the broker does not take it for
+        now. A letter the broker refuses for good is logged in its place, so the record's offset can close
+        rather than be tried again forever."""
         try:
             await send_dead_letter(
                 self.producer, self.names.deadletter_topic(), record, reason, self.consumer_id
             )
+        except KafkaError as exc:
+            if exc.retriable:
+                raise BusUnavailable(f"dead-lettering failed: {exc}") from exc
+            metrics.OUTCOMES.labels(self.settings.pool, "dead_letter_refused").inc()
+            log.error(
+                "the dead-letter topic refused a letter; the record is dropped",
+                topic=record.topic, partition=record.partition, offset=record.offset,
+                reason=reason[:1024], error=type(exc).__name__,
+            )  # fmt: skip
+            return
         except Exception as exc:
             raise BusUnavailable(f"dead-lettering failed: {exc}") from exc
         metrics.OUTCOMES.labels(self.settings.pool, "dead_letter").inc()

@@ -7,7 +7,8 @@ RECEIVED = Counter(
 OUTCOMES = Counter(
     "sluice_dispatcher_outcomes_total",
     "Requests leaving the dispatcher other than by placement",
-    ["pool", "outcome"],  # duplicate, redelivered, cancelled, timeout, dead_letter, worker_lost
+    # duplicate, redelivered, cancelled, timeout, dead_letter, dead_letter_refused, worker_lost
+    ["pool", "outcome"],
 )
 DECISION_SECONDS = Histogram(
     "sluice_dispatcher_decision_seconds",

@@ -20,22 +20,24 @@ SPOOL_BYTES = 4 * 1024 * 1024  # a result file stays in memory up to this, then 
 
 async def read_window(
     store: ObjectStore, record: FileRecord, offset: int, most: int
-) -> list[tuple[InputLine, int]]:
-    """Up to `most` request lines from byte `offset` of the file, each with the file offset just past it."""
+) -> tuple[list[tuple[InputLine, int]], int]:
+    """Up to `most` request lines from byte `offset` of the file, each with the file offset just past it,
+    and the file offset where the next window starts (past any blank lines read). A window of blank lines
+    alone finds no request but still moves on."""
     data = await store.read_range(record.key, offset, READ_WINDOW)
-    found = request_lines(data, offset + len(data) >= record.bytes, most)
-    return [(line, offset + end) for line, end in found]
+    found, used = request_lines(data, offset + len(data) >= record.bytes, most)
+    return [(line, offset + end) for line, end in found], offset + used
 
 
 async def lines_from(store: ObjectStore, record: FileRecord, offset: int) -> AsyncIterator[InputLine]:
     """Every request line from byte `offset` to the file's end."""
     while offset < record.bytes:
-        window = await read_window(store, record, offset, LINES_PAGE)
-        if not window:
-            return  # only blank lines were left
+        window, after = await read_window(store, record, offset, LINES_PAGE)
+        if after <= offset:
+            raise ValueError(f"no whole line at byte {offset} of a checked file")
         for line, _ in window:
             yield line
-        offset = window[-1][1]
+        offset = after
 
 
 ReadLines = Callable[[list[int]], Awaitable[list[str | None]]]

@@ -336,7 +336,12 @@ class BatchKeeper:
         key = TeamKey.model_validate_json(fields["key"])
         cursor, offset = int(fields["cursor"]), int(fields.get("offset") or 0)
         total = int(fields["total"])
-        window = await read_window(self.store, record, offset, min(SUBMIT_CHUNK, total - cursor))
+        window, after = await read_window(self.store, record, offset, min(SUBMIT_CHUNK, total - cursor))
+        if after <= offset:
+            raise ValueError(f"no whole line at byte {offset} of the batch's input file")
+        if not window:  # only blank lines in this window: step past them
+            await self.redis.hset(self.names.batch_record(team, batch_id), "offset", str(after))
+            return
         now = time.time()
         sent: list[tuple[int, InputLine, int, asyncio.Future[Any] | BaseException]] = []
         for number, (line, end) in enumerate(window, start=cursor):

@@ -190,7 +190,7 @@ class FileScan:
         if isinstance(line, str):
             self.problem = f"Line {self.number}: {line}"
             return
-        self.endpoints.setdefault(line.url, line.number)
+        self.endpoints.setdefault(line.url, self.number)  # 1-based, blank lines counted
         self.requests += 1
         if self.requests > MAX_REQUESTS:
             self.problem = f"The file has more than {MAX_REQUESTS} requests."
@@ -277,9 +277,10 @@ def parse_line(raw: bytes, number: int, seen: set[bytes]) -> InputLine | str:
     return InputLine(number, custom_id, url, body)
 
 
-def request_lines(data: bytes, at_end: bool, most: int) -> list[tuple[InputLine, int]]:
+def request_lines(data: bytes, at_end: bool, most: int) -> tuple[list[tuple[InputLine, int]], int]:
     """Up to `most` request lines at the start of `data` (a window of a file already checked at upload,
-    read from a line's start), each with the offset in `data` just past it. A last line without its
+    read from a line's start), each with the offset in `data` just past it, and the offset just past the
+    last whole line read, blank ones included (where the next window starts). A last line without its
     newline counts only when the window reaches the file's end."""
     lines: list[tuple[InputLine, int]] = []
     used = 0
@@ -297,7 +298,7 @@ def request_lines(data: bytes, at_end: bool, most: int) -> list[tuple[InputLine,
                 raise ValueError(f"a line of a checked file no longer parses: {line}")
             lines.append((line, used))
         number += 1
-    return lines
+    return lines, used
 
 
 class BatchCreate(BaseModel):

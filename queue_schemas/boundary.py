@@ -19,6 +19,8 @@ from typing import Any
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_DEPTH = 32  # objects and arrays inside each other; JSON schemas for structured output need ~10
 MAX_STRING_CHARS = 4 * 1024 * 1024
+PATH_PART_CHARS = 64  # a key named in a refusal is cut to this
+PATH_CHARS = 512  # and the whole path to this, so a refusal stays small whatever the body held
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +41,13 @@ class InputRefused(ValueError):
         self.param = param
 
 
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[:most] + "..."
+
+
 def _where(path: tuple[str | int, ...]) -> str | None:
-    return ".".join(str(p) for p in path) or None
+    """The field's path as `a.b.0.c`, each part and the whole bounded."""
+    return _cut(".".join(_cut(str(p), PATH_PART_CHARS) for p in path), PATH_CHARS) or None
 
 
 def _refuse(what: str, path: tuple[str | int, ...]) -> InputRefused:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+from pathlib import Path
 
 import pytest
 
+from ingress.batch_files import READ_WINDOW, lines_from, read_window
 from queue_schemas.batch_api import (
     CANCEL_GRACE_S,
+    MAX_LINE_BYTES,
     MAX_REQUESTS,
     BatchCreate,
+    FileRecord,
     Status,
     Step,
     batch_object,
@@ -24,10 +30,13 @@ from queue_schemas.batch_api import (
     page,
     parse_line_request_id,
     read_input,
+    request_lines,
     result_file_id,
+    scan_file,
     split_results,
 )
 from queue_schemas.keys import TeamKey
+from queue_schemas.object_store import LocalStore
 
 
 def line(custom_id: str, **over: object) -> str:
@@ -169,3 +178,48 @@ def test_pages_follow_the_cursor() -> None:
     assert page(ids, "b1", 2) == (["b2", "b3"], True)
     assert page(ids, "b3", 2) == (["b4"], False)
     assert page(ids, "gone", 10) == (ids, False)
+
+
+def test_endpoints_name_the_files_own_line_numbers() -> None:
+    text = "\n".join(["", line("a"), line("b", url="/v1/completions")]) + "\n"
+    summary = scan_file(io.BytesIO(text.encode()))
+    assert not isinstance(summary, str)
+    assert summary.endpoints == {"/v1/chat/completions": 2, "/v1/completions": 3}
+
+
+def test_a_window_of_blank_lines_still_moves_on() -> None:
+    blank = b" " * 1000 + b"\n"
+    data = blank * 3 + line("a").encode() + b"\n"
+    found, used = request_lines(blank * 3, at_end=False, most=10)
+    assert found == []
+    assert used == len(blank) * 3
+    found, used = request_lines(data, at_end=True, most=10)
+    assert [item[0].custom_id for item in found] == ["a"]
+    assert used == len(data)
+    found, used = request_lines(data + data[:5], at_end=False, most=10)
+    assert used == len(data)  # an unfinished last line is left for the next window
+
+
+def test_every_request_is_read_past_windows_of_blank_lines(tmp_path: Path) -> None:
+    blank = b" " * (MAX_LINE_BYTES - 1) + b"\n"
+    data = line("a").encode() + b"\n" + blank * 5 + line("b").encode() + b"\n" + blank + line("c").encode()
+    assert len(blank) * 5 > READ_WINDOW
+    store = LocalStore(tmp_path)
+    record = FileRecord(
+        id="file-x", team="t", purpose="batch", filename="x.jsonl", bytes=len(data), created_at=0,
+        key="t/file-x", lines=3,
+    )  # fmt: skip
+
+    async def read() -> tuple[list[str], list[int]]:
+        await store.put(record.key, data)
+        seen = [item.custom_id async for item in lines_from(store, record, 0)]
+        offsets = [0]
+        while offsets[-1] < len(data):
+            _, after = await read_window(store, record, offsets[-1], 10)
+            offsets.append(after)
+        return seen, offsets
+
+    seen, offsets = asyncio.run(read())
+    assert seen == ["a", "b", "c"]
+    assert offsets[-1] == len(data)
+    assert len(offsets) > 3

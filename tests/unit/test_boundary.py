@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.batch_intake import batch_request, parse_batch_body, plan_batch_output
@@ -142,9 +142,9 @@ def wire(value: Any) -> bytes:
 HYPOTHESIS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@HYPOTHESIS
-@given(body=st.one_of(CHAT, TEXT_BODY))
-def test_an_http_body_that_passed_the_boundary_always_encodes(body: dict[str, Any]) -> None:
+def http_outcome(body: dict[str, Any]) -> str:
+    """What ingress does with `body`: "refused" (a 4xx naming the field) or "encoded" (it reached the bus);
+    anything raised here would be a 500 or a dead service."""
     try:
         raw = load_untrusted(wire(body))
         model = ChatCompletionRequest if "messages" in body else CompletionRequest
@@ -152,18 +152,15 @@ def test_an_http_body_that_passed_the_boundary_always_encodes(body: dict[str, An
         request = build_request(
             parsed, POOL, "acme", [1, 2, 3], request_id="chatcmpl-test-0001", now=0.0, timeout_s=60.0
         )
-    except (InputRefused, ApiError) as exc:
-        event(f"refused: {type(exc).__name__}")
-        return  # answered with a 4xx naming the field
+    except (InputRefused, ApiError):
+        return "refused"
     encode(request)
-    event("encoded")
+    return "encoded"
 
 
-@HYPOTHESIS
-@given(body=st.one_of(CHAT, TEXT_BODY), custom_id=TEXT, request_id=TEXT)
-def test_a_batch_record_that_passed_the_boundary_always_encodes(
-    body: dict[str, Any], custom_id: str, request_id: str
-) -> None:
+def record_outcome(body: dict[str, Any], custom_id: str, request_id: str) -> str:
+    """What BatchDesk.admit does with a batch record: "dead-lettered", "answered" (an error answer) or
+    "encoded" (held for placement)."""
     url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     record = {
         "v": 1,
@@ -175,19 +172,48 @@ def test_a_batch_record_that_passed_the_boundary_always_encodes(
     }
     obj = load_record(wire(record))
     if isinstance(obj, str):
-        return  # dead-lettered with the reason
+        return "dead-lettered"
     sub = parse_submission(obj)
     if isinstance(sub, str):
-        return
-    try:
+        return "dead-lettered"
+    try:  # as BatchDesk.admit: a request the pool cannot serve is answered with the error
         parsed = plan_batch_output(sub, parse_batch_body(sub, POOL), None)
+        request = batch_request(sub, "sluice.results.acme", POOL, parsed, [1, 2, 3], 0.0)
     except ApiError as err:
         encode(http_answer("k", sub.request_id, sub.custom_id, err.status, err.body()))
-        return
-    request = batch_request(sub, "sluice.results.acme", POOL, parsed, [1, 2, 3], 0.0)
+        return "answered"
     encode(request)
-    event("encoded")
     encode(failed_answer(request, "bad_request", "x"))
+    return "encoded"
+
+
+GOOD_CHAT = {"model": "sluice-sim", "messages": [{"role": "user", "content": "hi"}], "stop": ["\n"]}
+HOSTILE_CHAT = {"model": "sluice-sim", "messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]}
+
+
+def test_the_outcomes_reach_both_ends() -> None:
+    """The properties below are only as strong as these: a good body is carried, a hostile one refused."""
+    assert http_outcome(GOOD_CHAT) == "encoded"
+    assert http_outcome(HOSTILE_CHAT) == "refused"
+    assert record_outcome(GOOD_CHAT, "c-1", "r-1") == "encoded"
+    assert record_outcome(HOSTILE_CHAT, "c-1", "r-1") == "dead-lettered"
+    assert record_outcome({**GOOD_CHAT, "max_tokens": 10**6}, "c-1", "r-1") == "answered"
+
+
+@HYPOTHESIS
+@given(body=st.one_of(CHAT, TEXT_BODY))
+@example(body=GOOD_CHAT)
+def test_an_http_body_that_passed_the_boundary_always_encodes(body: dict[str, Any]) -> None:
+    event(http_outcome(body))
+
+
+@HYPOTHESIS
+@given(body=st.one_of(CHAT, TEXT_BODY), custom_id=TEXT, request_id=TEXT)
+@example(body=GOOD_CHAT, custom_id="c-1", request_id="r-1")
+def test_a_batch_record_that_passed_the_boundary_always_encodes(
+    body: dict[str, Any], custom_id: str, request_id: str
+) -> None:
+    event(record_outcome(body, custom_id, request_id))
 
 
 @HYPOTHESIS
@@ -203,3 +229,15 @@ def test_a_file_line_that_passed_the_checks_always_encodes_as_a_submission(body:
         body=line.body, completion_window_s=60.0, submitted_at=0.0,
     )  # fmt: skip
     submission.model_dump_json(exclude_none=True).encode()
+
+
+def test_a_refusal_stays_small_whatever_the_body_held() -> None:
+    body: dict[str, Any] = {"v": "\ud800"}
+    for depth in range(20):
+        body = {f"{depth}" + "k" * 100_000: body}
+    with pytest.raises(InputRefused) as refused:
+        load_untrusted(wire(body))
+    assert refused.value.param is not None
+    assert len(refused.value.param) <= 515
+    assert len(refused.value.message) <= 1024
+    assert refused.value.param.startswith("19" + "k" * 62 + "...")
