@@ -95,6 +95,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             yield
         finally:
             app.state.ctx.checks.close()
+            app.state.ctx.uploads.close()
             await relay.close()
             await keeper.close()
             await hub.close()

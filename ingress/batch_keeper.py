@@ -211,20 +211,25 @@ class BatchKeeper:
         """One batch's step; what it raises is that batch's alone (an outage is the round's)."""
         try:
             await self._step(team, batch_id)
+        except FileNotFoundError as exc:  # an object of this batch's is gone: not an outage
+            await self._step_failed(team, batch_id, exc)
         except (RedisError, KafkaError, OSError):
             raise
         except Exception as exc:
-            faults = self._faults.get(batch_id, 0) + 1
-            self._faults[batch_id] = faults
-            log.error(
-                "batch step failed", batch_id=batch_id, team=team, faults=faults,
-                error=type(exc).__name__, exc_info=exc,
-            )  # fmt: skip
-            if faults >= STEP_FAULTS:
-                item_failed("ingress.batch_keeper")
-                await self._fail(team, batch_id, f"The batch could not be processed ({type(exc).__name__}).")
+            await self._step_failed(team, batch_id, exc)
         else:
             self._faults.pop(batch_id, None)
+
+    async def _step_failed(self, team: str, batch_id: str, exc: Exception) -> None:
+        faults = self._faults.get(batch_id, 0) + 1
+        self._faults[batch_id] = faults
+        log.error(
+            "batch step failed", batch_id=batch_id, team=team, faults=faults,
+            error=type(exc).__name__, exc_info=exc,
+        )  # fmt: skip
+        if faults >= STEP_FAULTS:
+            item_failed("ingress.batch_keeper")
+            await self._fail(team, batch_id, f"The batch could not be processed ({type(exc).__name__}).")
 
     async def _fail(self, team: str, batch_id: str, message: str) -> None:
         """End a batch that cannot go on: failed, with the reason in its errors."""
@@ -288,11 +293,15 @@ class BatchKeeper:
         return not await self.redis.exists(self.names.api_key(key_hash))
 
     async def _retire(self, team: str, batch_id: str) -> None:
+        """A batch that ended, however it ended: its share of the caps given back once, its record kept
+        for the retention time and its answered lines a while longer (the result files hold them)."""
         names = self.names
         record = names.batch_record(team, batch_id)
         total = await self.redis.hget(record, "total")
         if await self.redis.hdel(record, "capped"):  # once, whoever retires it
             await self.storage.give(team, {BATCHES: 1, BATCH_LINES: int(total or 0)})
+        await self.redis.expire(names.batch_lines(team, batch_id), RESULT_LINES_TTL_S)
+        await self.redis.expire(record, self.batch_retain_s)
         await self.redis.srem(names.active_batches(), f"{team}/{batch_id}")
         await self.redis.delete(names.batch_lease(team, batch_id))
 
@@ -503,8 +512,6 @@ class BatchKeeper:
             self.redis, names, team, batch_id, (Status.FINALIZING,), ending,
             **{f"{ending.value}_at": str(now)}, **ids,
         )  # fmt: skip
-        await self.redis.expire(names.batch_lines(team, batch_id), RESULT_LINES_TTL_S)
-        await self.redis.expire(names.batch_record(team, batch_id), self.batch_retain_s)
         await self._retire(team, batch_id)
         log.info("batch finalized", batch_id=batch_id, team=team, status=ending.value)
 
@@ -545,7 +552,15 @@ class BatchKeeper:
         due = await self.redis.zrangebyscore(self.names.file_expiry(), 0, time.time(), 0, SWEEP_PAGE)
         for member in due:
             team, _, file_id = as_text(member).partition("/")  # type: ignore[arg-type]
-            await remove_file(self.redis, self.names, self.store, self.storage, team, file_id)
+            try:
+                await remove_file(self.redis, self.names, self.store, self.storage, team, file_id)
+            except (RedisError, OSError):
+                raise  # an outage: the sweep goes on next round
+            except Exception as exc:  # this entry's alone (a record that no longer reads): passed over
+                item_failed("ingress.file_sweep")
+                log.error("an expired file could not be removed", team=team, file_id=file_id,
+                          error=type(exc).__name__, exc_info=exc)  # fmt: skip
+                await self.redis.zrem(self.names.file_expiry(), f"{team}/{file_id}")
 
     # collecting
 
@@ -625,13 +640,15 @@ async def save_file_record(redis: aioredis.Redis, names: Names, record: FileReco
 async def remove_file(
     redis: aioredis.Redis, names: Names, store: ObjectStore, storage: TeamStorage, team: str, file_id: str
 ) -> bool:
-    """Remove a file (deleted or expired) and give its bytes back; False when it was gone already."""
+    """Remove a file (deleted or expired) and give its bytes back; False when it was gone already. The
+    object goes first: when the store is out, nothing else has changed and the removal is tried again."""
     raw = await redis.get(names.file_record(team, file_id))
+    record = None if raw is None else FileRecord.model_validate_json(raw)
+    if record is not None:
+        await store.delete(record.key)
     await redis.zrem(names.file_expiry(), f"{team}/{file_id}")
     await redis.zrem(names.files(team), file_id)
-    if raw is None or not await redis.delete(names.file_record(team, file_id)):
+    if record is None or not await redis.delete(names.file_record(team, file_id)):
         return False  # another ingress removed it, and gave its bytes back
-    record = FileRecord.model_validate_json(raw)
-    await store.delete(record.key)
     await storage.give(team, {FILES: 1, BYTES: record.bytes})
     return True

@@ -7,7 +7,6 @@ batch is done by the ingresses' batch keepers (ingress.batch_keeper); these hand
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -19,11 +18,11 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
 
-from ingress.auth import bearer_token
+from ingress.auth import Caller, bearer_token
 from ingress.batch_keeper import remove_file, save_file_record, transition
 from ingress.context import IngressContext
 from ingress.routes import Context, Team, body_schema, read_json_body
-from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamStorage
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, RESULT_ROOM, TeamStorage
 from queue_schemas.api_errors import (
     InsufficientQuota,
     InvalidRequest,
@@ -139,6 +138,11 @@ async def upload_file(request: Request, ctx: Context, team: Team) -> JSONRespons
         raise LengthRequired("Uploads must declare their Content-Length.")
     if int(declared) > limit + MULTIPART_SLACK:
         raise PayloadTooLarge(f"The file exceeds the {limit}-byte limit.")
+    with ctx.uploads.slot(team.team):
+        return await _upload(request, ctx, team, limit)
+
+
+async def _upload(request: Request, ctx: IngressContext, team: Caller, limit: int) -> JSONResponse:
     try:
         form = await request.form(max_files=1, max_fields=4)
     except Exception as exc:  # starlette raises its own parse errors for malformed forms
@@ -157,7 +161,8 @@ async def upload_file(request: Request, ctx: Context, team: Team) -> JSONRespons
     size = upload.size or 0
     if size > limit:
         raise PayloadTooLarge(f"The file exceeds the {limit}-byte limit.")
-    summary = await asyncio.to_thread(_scan, upload.file)
+    stream = upload.file
+    summary = await ctx.uploads.run(lambda: _scan(stream))
     if isinstance(summary, str):
         raise InvalidRequest(
             f"The file is not a valid batch input file. {summary}", param="file", code="invalid_file"
@@ -299,13 +304,22 @@ async def create_batch(request: Request, ctx: Context, team: Team) -> dict[str, 
     fields = new_batch_fields(batch_id, team.key, body, source.lines, now, key_hash)
     fields["capped"] = "1"  # its share of the caps is given back once, when it is retired
     storage = _storage(ctx)
+    await storage.check(team.team, RESULT_ROOM, why=" A batch needs room for its result files.")
     await storage.take(team.team, {BATCHES: 1, BATCH_LINES: source.lines})
-    try:
-        await ctx.redis.hset(names.batch_record(team.team, batch_id), mapping=fields)  # type: ignore[arg-type]
-        await ctx.redis.zadd(names.batches(team.team), {batch_id: now})
-        await ctx.redis.sadd(names.active_batches(), f"{team.team}/{batch_id}")
+    record, listed, active = (
+        names.batch_record(team.team, batch_id),
+        names.batches(team.team),
+        names.active_batches(),
+    )
+    try:  # the record first and the active set last: the keeper only ever finds whole batches
+        await ctx.redis.hset(record, mapping=fields)  # type: ignore[arg-type]
+        await ctx.redis.zadd(listed, {batch_id: now})
+        await ctx.redis.sadd(active, f"{team.team}/{batch_id}")
     except RedisError as exc:
-        with contextlib.suppress(RedisError):
+        with contextlib.suppress(RedisError):  # nothing of a batch that was never answered is left
+            await ctx.redis.srem(active, f"{team.team}/{batch_id}")
+            await ctx.redis.zrem(listed, batch_id)
+            await ctx.redis.delete(record)
             await storage.give(team.team, {BATCHES: 1, BATCH_LINES: source.lines})
         raise ServiceUnavailable("The batch index is unreachable; retry shortly.") from exc
     return batch_object(fields)

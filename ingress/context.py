@@ -17,6 +17,7 @@ from ingress.pool_gate import PoolGate
 from ingress.response_store import ResponseStore
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
+from ingress.upload_slots import UploadSlots
 from queue_schemas.admission import partition_key
 from queue_schemas.api_errors import ServiceUnavailable
 from queue_schemas.checks import CheckRunner
@@ -51,6 +52,7 @@ class IngressContext:
     checks: CheckRunner = field(default_factory=CheckRunner)  # schema checks, after the quota gate
     background: set[asyncio.Task[None]] = field(default_factory=set)
     liveness: Liveness = field(default_factory=Liveness)  # the process's background loops, for /healthz
+    uploads: UploadSlots = field(default_factory=UploadSlots)  # /v1/files uploads in progress, per team
 
     async def read_log(self, request_id: str, from_seq: int) -> list[StreamEvent]:
         """The request's replay log from `from_seq` on, to fill a gap in its stream."""

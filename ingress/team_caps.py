@@ -89,6 +89,17 @@ def cap_of(caps: TeamCaps, field: str) -> int:
             BATCH_LINES: caps.batch_lines}[field]  # fmt: skip
 
 
+def first_over(held: dict[str, int], amounts: dict[str, int], caps: TeamCaps) -> str | None:
+    """The first field for which `amounts` more would pass the team's cap, or None."""
+    for field, amount in amounts.items():
+        if held.get(field, 0) + amount > cap_of(caps, field):
+            return field
+    return None
+
+
+RESULT_ROOM = {FILES: 2, BYTES: 1}  # a batch's output and error files, and room for their bytes
+
+
 class TeamStorage:
     def __init__(self, redis: aioredis.Redis, names: Names, caps: TeamCaps) -> None:
         self._redis = redis
@@ -111,6 +122,19 @@ class TeamStorage:
         field = over.decode() if isinstance(over, bytes) else str(over)
         if field:
             raise CapReached(CAP_MESSAGES[field].format(cap=cap_of(self.caps, field)), code="limit_reached")
+
+    async def check(self, team: str, amounts: dict[str, int], why: str = "") -> None:
+        """Raise CapReached when `amounts` more would pass a cap, taking nothing (for what is stored later,
+        such as a batch's result files, which are taken uncapped when written)."""
+        try:
+            raw = await self._redis.hgetall(self._names.team_storage(team))
+        except RedisError as exc:
+            raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
+        held = {_text(k): int(v) for k, v in raw.items()}
+        field = first_over(held, amounts, self.caps)
+        if field is not None:
+            message = CAP_MESSAGES[field].format(cap=cap_of(self.caps, field))
+            raise CapReached(f"{message}{why}", code="limit_reached")
 
     async def give(self, team: str, amounts: dict[str, int]) -> None:
         args: list[str | int] = [x for item in amounts.items() for x in item]
@@ -136,3 +160,7 @@ class TeamStorage:
 
     async def drop_response(self, team: str, response_id: str) -> None:
         await self._redis.zrem(self._names.team_responses(team), response_id)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -11,9 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from queue_schemas.model_store import default_s3_client, parse_s3
 
 COPY_PIECE = 1024 * 1024
+
+
+class StoreUnavailable(OSError):
+    """The store did not do what was asked for a reason of its own (unreachable, throttling, refusing):
+    an outage, as an OSError is for a local folder, never a fault of the object asked for."""
 
 
 class ObjectStore(Protocol):
@@ -93,7 +100,9 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     async def put(self, key: str, data: bytes) -> None:
-        await asyncio.to_thread(self._client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data)
+        await asyncio.to_thread(
+            self._call, self._client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data
+        )
 
     async def get(self, key: str) -> bytes:
         return await asyncio.to_thread(self._get, self._key(key))
@@ -102,17 +111,18 @@ class S3Store:
         extra = {"Range": byte_range} if byte_range else {}
         try:
             reply = self._client.get_object(Bucket=self.bucket, Key=key, **extra)
-        except self._client.exceptions.NoSuchKey:
-            raise FileNotFoundError(key) from None
-        except self._client.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+            body: bytes = reply["Body"].read()
+        except (BotoCoreError, ClientError) as exc:
+            code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
+            if code in ("NoSuchKey", "404"):
+                raise FileNotFoundError(key) from None
+            if code == "InvalidRange":
                 return b""  # from the end on: nothing
-            raise
-        body: bytes = reply["Body"].read()
+            raise StoreUnavailable(f"the object store failed: {type(exc).__name__} {code or ''}") from exc
         return body
 
     async def put_file(self, key: str, stream: BinaryIO) -> None:
-        await asyncio.to_thread(self._client.upload_fileobj, stream, self.bucket, self._key(key))
+        await asyncio.to_thread(self._call, self._client.upload_fileobj, stream, self.bucket, self._key(key))
 
     async def read_range(self, key: str, start: int, size: int) -> bytes:
         if size <= 0:
@@ -120,7 +130,17 @@ class S3Store:
         return await asyncio.to_thread(self._get, self._key(key), f"bytes={start}-{start + size - 1}")
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(self._client.delete_object, Bucket=self.bucket, Key=self._key(key))
+        await asyncio.to_thread(
+            self._call, self._client.delete_object, Bucket=self.bucket, Key=self._key(key)
+        )
+
+    @staticmethod
+    def _call(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A call whose botocore errors are StoreUnavailable (an outage, for callers to retry)."""
+        try:
+            return method(*args, **kwargs)
+        except (BotoCoreError, ClientError) as exc:
+            raise StoreUnavailable(f"the object store failed: {type(exc).__name__}") from exc
 
 
 def object_store(location: str, s3_client_factory: Callable[[], Any] | None = None) -> ObjectStore:

@@ -359,12 +359,18 @@ def test_attack_4_files_and_batches_stop_at_the_team_caps(dev_stack: tuple[DevSt
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
 
+    # At its file cap a team cannot start a batch: its result files would have no room.
+    with pytest.raises(openai.BadRequestError, match="room for its result files") as refused:
+        create(files[0].id)
+    assert refused.value.code == "limit_reached"
+    for file in files[-4:]:  # deleted files free their places
+        client.files.delete(file.id)
     for file in files[:BATCHES_CAP]:
         create(file.id)
+    # The next one passes a cap: the batches in progress, or the files (with the result files written).
     with pytest.raises(openai.BadRequestError) as refused:
-        create(files[-1].id)
+        create(files[BATCHES_CAP].id)
     assert refused.value.code == "limit_reached"
-    client.files.delete(files[-1].id)  # a deleted file frees its place
     upload()
 
 

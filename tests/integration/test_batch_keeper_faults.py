@@ -17,8 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from ingress import batch_keeper as keeper_module
 from ingress.batch_keeper import STEP_FAULTS, BatchKeeper, save_file_record
-from ingress.team_caps import BYTES, FILES, TeamCaps
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps
 from queue_schemas.batch_api import (
     BatchCreate,
     FileRecord,
@@ -27,6 +28,7 @@ from queue_schemas.batch_api import (
     new_batch_id,
     new_file_id,
     object_key,
+    parse_line_request_id,
     scan_file,
 )
 from queue_schemas.config import load_config
@@ -73,6 +75,8 @@ class Harness:
         key = TeamKey(team=team, key_id="sk-sluice-test", created_at=time.time())
         body = BatchCreate(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
         fields = new_batch_fields(batch_id, key, body, summary.requests, time.time(), key_hash)
+        fields["capped"] = "1"
+        await self.keeper.storage.take(team, {BATCHES: 1, BATCH_LINES: summary.requests})
         await self.redis.hset(self.names.batch_record(team, batch_id), mapping=fields)  # type: ignore[arg-type]
         await self.redis.sadd(self.names.active_batches(), f"{team}/{batch_id}")
         return batch_id
@@ -167,9 +171,25 @@ async def test_a_batch_whose_step_raises_fails_alone(bus: Bus, tmp_path: Path) -
         assert good["status"] == "in_progress"
         assert good["cursor"] == "3"
         assert f"mallory/{poisoned}".encode() not in await h.redis.smembers(h.names.active_batches())
+        assert await h.redis.ttl(h.names.batch_record("mallory", poisoned)) > 0, (
+            "a failed batch is kept forever"
+        )
 
 
-async def test_a_poisoned_answer_is_passed_over(bus: Bus, tmp_path: Path) -> None:
+async def test_a_batch_that_fails_validation_is_kept_only_for_its_retention(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        mixed = line("a0") + line("a1").replace(b"/v1/chat/completions", b"/v1/completions")
+        batch_id = await h.batch("acme", mixed)
+        await h.rounds(2)
+        fields = await h.fields("acme", batch_id)
+        assert fields["status"] == "failed"
+        assert json.loads(fields["errors"])["data"][0]["line"] == 2
+        assert await h.redis.ttl(h.names.batch_record("acme", batch_id)) > 0
+
+
+async def test_a_poisoned_answer_is_passed_over(
+    bus: Bus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with harness(bus, tmp_path) as h:
         batch_id = await h.batch("acme", line("a0"))
         await h.rounds(2)
@@ -179,6 +199,18 @@ async def test_a_poisoned_answer_is_passed_over(bus: Bus, tmp_path: Path) -> Non
         }  # fmt: skip
         # Depth a JSON parser takes but the models' own checks do not: decoding it must not end the loop.
         await h.keeper._collect_alone(b"[" * 5000 + b"]" * 5000)
+        # An answer whose handling raises past every check: it alone is passed over, and counted.
+        real = parse_line_request_id
+
+        def faulty(request_id: str) -> tuple[str, str, int] | None:
+            if request_id == "boom":
+                raise KeyError(request_id)
+            return real(request_id)
+
+        monkeypatch.setattr(keeper_module, "parse_line_request_id", faulty)
+        failed_before = ITEMS_FAILED.labels("ingress.batch_collector")._value.get()
+        await h.keeper._collect_alone(json.dumps({**answer, "request_id": "boom"}).encode())
+        assert ITEMS_FAILED.labels("ingress.batch_collector")._value.get() == failed_before + 1
         await h.keeper._collect_alone(json.dumps(answer).encode())
         answers = await h.answers("acme", batch_id)
         assert answers[0]["custom_id"] == "a0"
@@ -222,3 +254,51 @@ async def test_expired_files_are_swept_and_their_bytes_given_back(bus: Bus, tmp_
         assert not (tmp_path / "files" / object_key("acme", "file-old")).exists()
         counts = await h.redis.hgetall(h.names.team_storage("acme"))
         assert {k: int(v) for k, v in counts.items()} == {b"files": 1, b"bytes": 100}
+
+
+async def test_a_batch_gives_its_caps_back_once_however_often_it_is_retired(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        first = await h.batch("acme", line("a0") + line("a1"))
+        await h.batch("acme", line("b0") + line("b1") + line("b2"))
+
+        async def held() -> dict[bytes, int]:
+            raw = await h.redis.hgetall(h.names.team_storage("acme"))
+            return {k: int(v) for k, v in raw.items() if k in (b"batches", b"batch_lines")}
+
+        assert await held() == {b"batches": 2, b"batch_lines": 5}
+        await h.keeper._fail("acme", first, "stopped")
+        await h.keeper._retire("acme", first)  # a second keeper retiring it too
+        assert await held() == {b"batches": 1, b"batch_lines": 3}
+
+
+async def test_a_missing_input_object_fails_its_batch_alone(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        lost = await h.batch("mallory", line("p0"))
+        healthy = await h.batch("acme", line("a0") + line("a1"))
+        file_id = (await h.fields("mallory", lost))["input_file_id"]
+        (tmp_path / "files" / object_key("mallory", file_id)).unlink()  # the object alone went away
+        await h.rounds(STEP_FAULTS + 2)
+        bad = await h.fields("mallory", lost)
+        assert bad["status"] == "failed"
+        assert "(FileNotFoundError)" in bad["errors"]
+        good = await h.fields("acme", healthy)
+        assert good["status"] == "in_progress"
+        assert good["cursor"] == "2"
+
+
+async def test_an_expiry_entry_that_cannot_be_removed_is_passed_over(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        now = int(time.time())
+        await h.redis.set(h.names.file_record("mallory", "file-bad"), b"not a record")
+        await h.redis.zadd(h.names.file_expiry(), {"mallory/file-bad": now - 10})
+        record = FileRecord(
+            id="file-old", team="acme", purpose="batch", filename="f", bytes=100, created_at=now,
+            key=object_key("acme", "file-old"), expires_at=now - 1,
+        )  # fmt: skip
+        await h.keeper.store.put(record.key, b"x" * 100)
+        await save_file_record(h.redis, h.names, record)
+        failed_before = ITEMS_FAILED.labels("ingress.file_sweep")._value.get()
+        await h.rounds(1)
+        assert ITEMS_FAILED.labels("ingress.file_sweep")._value.get() == failed_before + 1
+        assert await h.redis.get(h.names.file_record("acme", "file-old")) is None
+        assert await h.redis.zrange(h.names.file_expiry(), 0, -1) == []

@@ -9,9 +9,10 @@ from typing import Any
 
 import boto3
 import pytest
+from botocore.config import Config
 
 from infra.launcher import free_port, start_object_store
-from queue_schemas.object_store import LocalStore, ObjectStore, object_store
+from queue_schemas.object_store import LocalStore, ObjectStore, StoreUnavailable, object_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,3 +71,28 @@ async def test_a_file_is_stored_from_a_stream_and_read_back_in_ranges(store: Obj
     assert await store.read_range("files/acme/big", len(data), 100) == b""
     with pytest.raises(FileNotFoundError):
         await store.read_range("files/acme/none", 0, 10)
+
+
+async def test_an_s3_store_that_does_not_answer_is_an_outage() -> None:
+    """Every call to an unreachable S3 endpoint raises StoreUnavailable, an OSError: callers retry it as
+    they retry a full disk, and never take it for a fault of the object."""
+    port = free_port()  # nothing listens here
+
+    def make() -> Any:
+        return boto3.client(
+            "s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+            aws_access_key_id="test", aws_secret_access_key="test",
+            config=Config(connect_timeout=1, read_timeout=1, retries={"max_attempts": 1}),
+        )  # fmt: skip
+
+    store = object_store("s3://files/sluice", make)
+    for call in (
+        store.get("files/acme/x"),
+        store.read_range("files/acme/x", 0, 10),
+        store.put("files/acme/x", b"x"),
+        store.put_file("files/acme/x", io.BytesIO(b"x")),
+        store.delete("files/acme/x"),
+    ):
+        with pytest.raises(StoreUnavailable):
+            await call
+    assert issubclass(StoreUnavailable, OSError)

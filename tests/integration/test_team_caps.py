@@ -9,7 +9,16 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, CapReached, TeamCaps, TeamStorage
+from ingress.team_caps import (
+    BATCH_LINES,
+    BATCHES,
+    BYTES,
+    FILES,
+    RESULT_ROOM,
+    CapReached,
+    TeamCaps,
+    TeamStorage,
+)
 from queue_schemas.batch_api import as_text
 from tests.conftest import Bus
 
@@ -74,5 +83,25 @@ async def test_stored_responses_count_until_they_expire(bus: Bus) -> None:
         await storage.hold_response("acme", "r3", now + 60)
         await storage.drop_response("acme", "r2")
         await storage.hold_response("acme", "r4", now + 60)
+    finally:
+        await redis.aclose()
+
+
+async def test_a_batch_needs_room_for_its_result_files(bus: Bus) -> None:
+    settings = bus.settings()
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        storage = TeamStorage(redis, settings.names, CAPS)
+        await storage.take("acme", {FILES: 1, BYTES: 10})
+        await storage.check("acme", RESULT_ROOM)  # 1 file held: 2 more fit under 3
+        await storage.take("acme", {FILES: 1, BYTES: 10})
+        with pytest.raises(CapReached, match="as many files as it may") as refused:
+            await storage.check("acme", RESULT_ROOM, why=" A batch needs room for its result files.")
+        assert refused.value.body()["error"]["code"] == "limit_reached"
+        assert await held(redis, storage, "acme") == {FILES: 2, BYTES: 20}  # a check takes nothing
+        await storage.give("acme", {FILES: 1, BYTES: 10})
+        await storage.take("acme", {BYTES: 990})  # all 1000 bytes held
+        with pytest.raises(CapReached, match="1000-byte"):
+            await storage.check("acme", RESULT_ROOM)  # full of bytes: no room for a result
     finally:
         await redis.aclose()

@@ -41,12 +41,12 @@ def test_reason_and_payload_are_bounded() -> None:
 
 def test_a_letter_refused_for_good_goes_again_without_its_payload() -> None:
     producer = Producer(MessageSizeTooLargeError())
-    asyncio.run(send_dead_letter(producer, "dl", record(b"body"), "why", "c"))  # type: ignore[arg-type]
+    asyncio.run(send_dead_letter(producer, "dl", record(b"body"), "why", "c"))
     assert [(sent["payload"], sent["reason"]) for sent in producer.sent] == [("", "why")]
 
 
 def test_a_broker_that_is_away_is_raised_for_the_caller_to_retry() -> None:
     producer = Producer(KafkaConnectionError())
     with pytest.raises(KafkaConnectionError):
-        asyncio.run(send_dead_letter(producer, "dl", record(b"body"), "why", "c"))  # type: ignore[arg-type]
+        asyncio.run(send_dead_letter(producer, "dl", record(b"body"), "why", "c"))
     assert producer.sent == []
