@@ -477,21 +477,47 @@ class BatchKeeper:
         custom ids from the input file (or naming them by number if it is gone)."""
         total = int(fields["total"])
         record = await self._input(team, fields)
-        numbers = range(first, total)
+        page: list[tuple[int, dict[str, Any]]] = []
         if isinstance(record, str):
-            named = ((n, f"line-{n + 1}") for n in numbers)
-            for number, custom_id in named:
+            for number in range(first, total):
                 if number not in answered:
-                    out = local_error_line(team, batch_id, number, custom_id, code, message)
-                    await self._store_line(team, batch_id, number, out)
+                    page.append(
+                        (
+                            number,
+                            local_error_line(team, batch_id, number, f"line-{number + 1}", code, message),
+                        )
+                    )
+                if len(page) >= SUBMIT_CHUNK:
+                    await self._store_page(team, batch_id, page)
+            await self._store_page(team, batch_id, page)
             return
         start = int(fields.get("offset") or 0) if first == int(fields["cursor"]) else 0
         number = first if start else 0
         async for line in lines_from(self.store, record, start):
             if number >= first and number not in answered:
-                out = local_error_line(team, batch_id, number, line.custom_id, code, message)
-                await self._store_line(team, batch_id, number, out)
+                page.append((number, local_error_line(team, batch_id, number, line.custom_id, code, message)))
+                if len(page) >= SUBMIT_CHUNK:
+                    await self._store_page(team, batch_id, page)
             number += 1
+        await self._store_page(team, batch_id, page)
+
+    async def _store_page(self, team: str, batch_id: str, page: list[tuple[int, dict[str, Any]]]) -> None:
+        """Store a page of the keeper's own answers in one round trip, then hold on to the batch's lease
+        (a batch of many lines takes many pages). The page is emptied."""
+        keys = collect_keys(self.names, team, batch_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for number, line in page:
+                pipe.eval(
+                    COLLECT_SCRIPT,
+                    len(keys),
+                    *keys,
+                    number,
+                    json.dumps(line),
+                    "1" if succeeded(line) else "0",
+                )
+            await pipe.execute()
+        page.clear()
+        await self.redis.pexpire(self.names.batch_lease(team, batch_id), LEASE_MS)
 
     async def _finalize(self, team: str, batch_id: str, fields: dict[str, str]) -> None:
         names = self.names
@@ -542,7 +568,9 @@ class BatchKeeper:
                 id=file_id, team=team, purpose="batch_output", filename=f"{batch_id}_{kind}.jsonl",
                 bytes=size, created_at=now, key=key, expires_at=now + seconds,
             )  # fmt: skip
-            await self.storage.take(team, {FILES: 1, BYTES: size}, capped=False)
+            # Counted once, however many keepers write it (one may die after counting, before saving).
+            if await self.redis.hsetnx(names.batch_record(team, batch_id), f"{kind}_counted", "1"):
+                await self.storage.take(team, {FILES: 1, BYTES: size}, capped=False)
             await save_file_record(self.redis, names, record)
             ids["output_file_id" if kind == "output" else "error_file_id"] = file_id
         return ids

@@ -302,3 +302,37 @@ async def test_an_expiry_entry_that_cannot_be_removed_is_passed_over(bus: Bus, t
         assert ITEMS_FAILED.labels("ingress.file_sweep")._value.get() == failed_before + 1
         assert await h.redis.get(h.names.file_record("acme", "file-old")) is None
         assert await h.redis.zrange(h.names.file_expiry(), 0, -1) == []
+
+
+async def test_result_files_are_counted_once_however_often_they_are_written(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        unknown = b"".join(line(f"u{n}").replace(b"sluice-sim", b"no-such-model") for n in range(3))
+        batch_id = await h.batch("acme", unknown)
+        await h.rounds(5)
+        fields = await h.fields("acme", batch_id)
+        assert fields["status"] == "completed"
+        assert fields["failed"] == "3"
+
+        async def files_held() -> int:
+            return int(await h.redis.hget(h.names.team_storage("acme"), "files") or 0)
+
+        assert await files_held() == 1  # the error file
+        # A keeper that died after counting the file, before saving its record: the next one writes it again.
+        await h.redis.delete(h.names.file_record("acme", fields["error_file_id"]))
+        await h.keeper._write_results("acme", batch_id, fields, int(time.time()))
+        assert await h.redis.get(h.names.file_record("acme", fields["error_file_id"])) is not None
+        assert await files_held() == 1
+
+
+async def test_a_cancelled_batch_of_many_lines_is_answered_a_page_at_a_time(bus: Bus, tmp_path: Path) -> None:
+    async with harness(bus, tmp_path) as h:
+        data = b"".join(line(f"c{n}") for n in range(1200))
+        batch_id = await h.batch("acme", data)
+        await h.rounds(1)  # validated
+        await h.redis.hset(h.names.batch_record("acme", batch_id), "status", "cancelling")
+        await h.rounds(3)
+        fields = await h.fields("acme", batch_id)
+        assert fields["status"] == "cancelled"
+        answers = await h.answers("acme", batch_id)
+        assert len(answers) == 1200
+        assert answers[1199]["custom_id"] == "c1199"
