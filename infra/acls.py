@@ -59,7 +59,7 @@ def team_grants(names: Names, team: str, reply_prefixes: tuple[str, ...] = ()) -
     grants = [
         Grant(f"User:team-{team}", ("Write", "Describe"), "topic", f"{p}.batch.", prefixed=True),
         Grant(f"User:team-{team}", ("Read", "Describe"), "topic", names.results_topic(team)),
-        Grant(f"User:team-{team}", ("Read",), "group", f"{p}.batch-collector.", prefixed=True),
+        Grant(f"User:team-{team}", ("Read",), "group", names.batch_collector_groups(team), prefixed=True),
     ]
     for prefix in reply_prefixes:
         grants.append(Grant(f"User:team-{team}", ("Read", "Describe"), "topic", prefix, prefixed=True))

@@ -100,7 +100,7 @@ async def run_batch(
     answered or `stop` is set."""
     save_state(output, state)
     await ensure_topic(settings, state.reply_topic)
-    group = f"{settings.names.prefix}.batch-collector.{state.batch_id}"
+    group = settings.names.batch_collector_group(state.team, state.batch_id)
     consumer = AIOKafkaConsumer(state.reply_topic, **consumer_options(settings, group))
     producer = AIOKafkaProducer(**producer_options(settings))
     await consumer.start()

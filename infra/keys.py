@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from queue_schemas.batch import TEAM_NAME, TOPIC_NAME
 from queue_schemas.keys import TeamKey, hash_api_key, key_id, new_api_key
@@ -47,10 +48,25 @@ def reply_prefix_problem(prefix: str, names: Names) -> str | None:
     return None
 
 
+def prefixes_overlap(a: str, b: str) -> bool:
+    """Whether a topic can be under both prefixes."""
+    return a.startswith(b) or b.startswith(a)
+
+
+def overlapping_prefix(wanted: list[str], held: dict[str, str], team: str) -> str | None:
+    """The first of `wanted` that overlaps a prefix another team holds (`held`: prefix -> team)."""
+    for prefix in wanted:
+        if any(owner != team and prefixes_overlap(prefix, other) for other, owner in held.items()):
+            return prefix
+    return None
+
+
 async def set_reply_prefixes(
     redis: aioredis.Redis, names: Names, team: str, prefixes: list[str] | None
 ) -> tuple[str, ...]:
-    """Replace the team's reply-topic prefixes when `prefixes` is given; the prefixes now in force."""
+    """Replace the team's reply-topic prefixes when `prefixes` is given; the prefixes now in force. A
+    prefix that overlaps one another team holds is refused (ValueError) without naming that team; the
+    check and the claim are one script, so two teams cannot claim overlapping prefixes at once."""
     record = await team_record(redis, names, team)
     if prefixes is None:
         return record.reply_prefixes
@@ -58,9 +74,51 @@ async def set_reply_prefixes(
         problem = reply_prefix_problem(prefix, names)
         if problem is not None:
             raise ValueError(problem)
+    await _index_prefixes_of_every_team(redis, names)
+    await _claim(redis, names.reply_prefix_owners(), team, prefixes)
     record = record.model_copy(update={"reply_prefixes": tuple(prefixes)})
     await redis.set(names.team(team), record.model_dump_json())
     return record.reply_prefixes
+
+
+async def _claim(redis: aioredis.Redis, owners: str, team: str, prefixes: list[str]) -> None:
+    """Release the team's prefixes and claim `prefixes` in one transaction, retried if the index moved
+    meanwhile; ValueError when one overlaps another team's."""
+    async with redis.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(owners)
+                raw = await pipe.hgetall(owners)
+                held = {_text(k): _text(v) for k, v in raw.items()}
+                refused = overlapping_prefix(prefixes, held, team)
+                if refused is not None:
+                    raise ValueError(f"reply prefix {refused!r} overlaps a prefix another team holds")
+                pipe.multi()  # type: ignore[no-untyped-call]
+                ours = [prefix for prefix, owner in held.items() if owner == team]
+                if ours:
+                    pipe.hdel(owners, *ours)
+                if prefixes:
+                    pipe.hset(owners, mapping=dict.fromkeys(prefixes, team))
+                await pipe.execute()
+                return
+            except WatchError:
+                continue
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def _index_prefixes_of_every_team(redis: aioredis.Redis, names: Names) -> None:
+    """Add to the owners index the prefixes of teams whose records hold some the index lacks (records
+    written before the index existed); an entry already there is left as it is."""
+    async for key in redis.scan_iter(match=names.team("*"), count=500):
+        raw = await redis.get(key)
+        if raw is None:
+            continue
+        record = TeamRecord.model_validate_json(raw)
+        for prefix in record.reply_prefixes:
+            await redis.hsetnx(names.reply_prefix_owners(), prefix, record.team)
 
 
 async def create_signing_key(redis: aioredis.Redis, names: Names, team: str) -> tuple[str, str]:

@@ -38,6 +38,15 @@ class Names:
         """Answers to the lines of batches created through /v1/batches (internal: services only)."""
         return f"{self.prefix}.batchapi.answers"
 
+    def batch_collector_groups(self, team: str) -> str:
+        """The prefix of a team's `sluice batch` consumer groups: the team's alone (team names hold no
+        dot, so no team's prefix covers another's)."""
+        return f"{self.prefix}.batch-collector.{team}."
+
+    def batch_collector_group(self, team: str, batch_id: str) -> str:
+        """The consumer group `sluice batch` collects one batch's answers in."""
+        return f"{self.batch_collector_groups(team)}{batch_id}"
+
     def batch_api_collector_group(self) -> str:
         return f"{self.prefix}.batchapi.collector"
 
@@ -101,6 +110,10 @@ class Names:
     def team_responses(self, team: str) -> str:
         """Sorted set: the team's stored responses by when each expires (counted against its cap)."""
         return f"{self.prefix}:responses:{{{team}}}"
+
+    def reply_prefix_owners(self) -> str:
+        """Hash: every team's reply-topic prefix -> the team, so no two teams' prefixes overlap."""
+        return f"{self.prefix}:replyprefixes"
 
     def file_expiry(self) -> str:
         """Sorted set of `<team>/<file id>` by expiry time, which the batch keepers sweep."""

@@ -155,7 +155,7 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         ]  # fmt: skip
         assert sorted(letter.payload for letter in letters) == sorted(p.decode() for p in POISON)
         assert all(
-            letter.reason and letter.consumer.startswith(f"{names.prefix}.batch-collector.")
+            letter.reason and letter.consumer.startswith(names.batch_collector_groups("acme"))
             for letter in letters
         )
         status = await asyncio.to_thread(

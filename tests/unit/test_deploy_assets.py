@@ -28,7 +28,7 @@ import ingress.metrics
 import scaler.metrics
 from dispatcher.settings import DispatcherSettings
 from gpu_workers.settings import WorkerSettings
-from infra.acls import acl_script, service_grants, team_grants
+from infra.acls import Grant, acl_script, service_grants, team_grants
 from ingress.settings import IngressSettings
 from queue_schemas.config import SluiceConfig, load_config
 from queue_schemas.names import Names
@@ -304,6 +304,25 @@ def test_least_privilege_in_the_assets() -> None:
         ]
         assert users, dockerfile
         assert users[-1] not in ("0", "root"), dockerfile
+
+
+def grant_covers(grant: Grant, name: str) -> bool:
+    return name.startswith(grant.name) if grant.prefixed else name == grant.name
+
+
+def test_no_teams_group_grant_covers_another_teams_or_the_services_groups() -> None:
+    names = Names("sluice")
+    teams = ["a", "ab", "a-b", "a_b", "acme", "dispatcher"]
+    internal = [names.dispatcher_group(pool) for pool in ("chat", "a", "sim")]
+    internal.append(names.batch_api_collector_group())
+    for team in teams:
+        groups = [g for g in team_grants(names, team) if g.resource == "group"]
+        assert groups, team
+        own = names.batch_collector_group(team, "batch_0123")
+        others = [names.batch_collector_group(o, "batch_0123") for o in teams if o != team]
+        for grant in groups:
+            assert grant_covers(grant, own), (team, grant)
+            assert not [g for g in others + internal if grant_covers(grant, g)], (team, grant)
 
 
 def test_broker_acls_are_shipped_and_only_the_ingress_writes_requests() -> None:
