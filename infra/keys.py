@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
 from queue_schemas.batch import TEAM_NAME, TOPIC_NAME
 from queue_schemas.keys import TeamKey, hash_api_key, key_id, new_api_key
@@ -54,19 +53,53 @@ def prefixes_overlap(a: str, b: str) -> bool:
 
 
 def overlapping_prefix(wanted: list[str], held: dict[str, str], team: str) -> str | None:
-    """The first of `wanted` that overlaps a prefix another team holds (`held`: prefix -> team)."""
+    """The first of `wanted` that overlaps a prefix another team holds (`held`: prefix -> team).
+    CLAIM_SCRIPT makes the same decision inside Redis."""
     for prefix in wanted:
         if any(owner != team and prefixes_overlap(prefix, other) for other, owner in held.items()):
             return prefix
     return None
 
 
+# KEYS: the reply-prefix owners hash (prefix -> team). ARGV: the team, then the prefixes it wants.
+# Returns the first wanted prefix that overlaps (one a prefix of the other) a prefix another team holds,
+# changing nothing; else releases every prefix the team holds, claims the wanted ones and returns ''.
+CLAIM_SCRIPT = """
+local team = ARGV[1]
+local held = redis.call('HGETALL', KEYS[1])
+for i = 2, #ARGV do
+  local want = ARGV[i]
+  for j = 1, #held, 2 do
+    local other = held[j]
+    if held[j + 1] ~= team
+      and (string.sub(want, 1, #other) == other or string.sub(other, 1, #want) == want) then
+      return want
+    end
+  end
+end
+for j = 1, #held, 2 do
+  if held[j + 1] == team then redis.call('HDEL', KEYS[1], held[j]) end
+end
+for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], team) end
+return ''
+"""
+
+
+def claim_keys(names: Names) -> list[str]:
+    """KEYS of CLAIM_SCRIPT."""
+    return [names.reply_prefix_owners()]
+
+
 async def set_reply_prefixes(
     redis: aioredis.Redis, names: Names, team: str, prefixes: list[str] | None
 ) -> tuple[str, ...]:
     """Replace the team's reply-topic prefixes when `prefixes` is given; the prefixes now in force. A
-    prefix that overlaps one another team holds is refused (ValueError) without naming that team; the
-    check and the claim are one script, so two teams cannot claim overlapping prefixes at once."""
+    prefix that overlaps one another team holds is refused (ValueError) without naming that team. The
+    check, the release of the team's old prefixes and the claim of the new ones are one script over the
+    owners index, so two teams cannot claim overlapping prefixes at once; the team record, which the
+    services enforce, is written after the claim."""
+    if not TEAM_NAME.match(team):
+        raise ValueError(f"invalid team name {team!r}")
     record = await team_record(redis, names, team)
     if prefixes is None:
         return record.reply_prefixes
@@ -75,34 +108,13 @@ async def set_reply_prefixes(
         if problem is not None:
             raise ValueError(problem)
     await _index_prefixes_of_every_team(redis, names)
-    await _claim(redis, names.reply_prefix_owners(), team, prefixes)
+    keys = claim_keys(names)
+    refused = _text(await redis.eval(CLAIM_SCRIPT, len(keys), *keys, team, *prefixes))
+    if refused:
+        raise ValueError(f"reply prefix {refused!r} overlaps a prefix another team holds")
     record = record.model_copy(update={"reply_prefixes": tuple(prefixes)})
     await redis.set(names.team(team), record.model_dump_json())
     return record.reply_prefixes
-
-
-async def _claim(redis: aioredis.Redis, owners: str, team: str, prefixes: list[str]) -> None:
-    """Release the team's prefixes and claim `prefixes` in one transaction, retried if the index moved
-    meanwhile; ValueError when one overlaps another team's."""
-    async with redis.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                await pipe.watch(owners)
-                raw = await pipe.hgetall(owners)
-                held = {_text(k): _text(v) for k, v in raw.items()}
-                refused = overlapping_prefix(prefixes, held, team)
-                if refused is not None:
-                    raise ValueError(f"reply prefix {refused!r} overlaps a prefix another team holds")
-                pipe.multi()  # type: ignore[no-untyped-call]
-                ours = [prefix for prefix, owner in held.items() if owner == team]
-                if ours:
-                    pipe.hdel(owners, *ours)
-                if prefixes:
-                    pipe.hset(owners, mapping=dict.fromkeys(prefixes, team))
-                await pipe.execute()
-                return
-            except WatchError:
-                continue
 
 
 def _text(value: bytes | str) -> str:
@@ -110,15 +122,18 @@ def _text(value: bytes | str) -> str:
 
 
 async def _index_prefixes_of_every_team(redis: aioredis.Redis, names: Names) -> None:
-    """Add to the owners index the prefixes of teams whose records hold some the index lacks (records
-    written before the index existed); an entry already there is left as it is."""
+    """Add to the owners index every prefix a team record holds that the index lacks (records written
+    before the index existed, or a record write that did not follow its claim); an entry already there
+    is left as it is, and an empty prefix, which grants nothing, is skipped. Run before each claim, so a
+    prefix a record still grants is back in the index before another team asks for it."""
     async for key in redis.scan_iter(match=names.team("*"), count=500):
         raw = await redis.get(key)
         if raw is None:
             continue
         record = TeamRecord.model_validate_json(raw)
         for prefix in record.reply_prefixes:
-            await redis.hsetnx(names.reply_prefix_owners(), prefix, record.team)
+            if prefix:
+                await redis.hsetnx(names.reply_prefix_owners(), prefix, record.team)
 
 
 async def create_signing_key(redis: aioredis.Redis, names: Names, team: str) -> tuple[str, str]:
@@ -142,6 +157,8 @@ async def create_key(
     adapters: tuple[str, ...] = (),
 ) -> str:
     """Store a new key for `team` and return it; this is the only time the key itself is seen."""
+    if not TEAM_NAME.match(team):
+        raise ValueError(f"invalid team name {team!r}")
     key = new_api_key()
     record = TeamKey(
         team=team, key_id=key_id(key), pools=pools, created_at=time.time(), allow_priority=allow_priority,

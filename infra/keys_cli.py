@@ -69,9 +69,7 @@ def keys_create(
     limits = limits_of(tpm, rpm, daily_tokens)
 
     async def go(redis: aioredis.Redis, names: Names) -> str:
-        if limits is not None:
-            await set_team_limits(redis, names, team, limits)
-        return await create_key(
+        key = await create_key(
             redis,
             names,
             team,
@@ -79,8 +77,15 @@ def keys_create(
             allow_priority=allow_priority,
             adapters=tuple(adapter or ()),
         )
+        if limits is not None:
+            await set_team_limits(redis, names, team, limits)
+        return key
 
-    typer.echo(with_redis(go))
+    try:
+        typer.echo(with_redis(go))
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
 
 
 @keys_app.command("limits")

@@ -30,6 +30,7 @@ from dispatcher.settings import DispatcherSettings
 from gpu_workers.settings import WorkerSettings
 from infra.acls import Grant, acl_script, service_grants, team_grants
 from ingress.settings import IngressSettings
+from queue_schemas.batch import TEAM_NAME
 from queue_schemas.config import SluiceConfig, load_config
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
@@ -312,10 +313,14 @@ def grant_covers(grant: Grant, name: str) -> bool:
 
 def test_no_teams_group_grant_covers_another_teams_or_the_services_groups() -> None:
     names = Names("sluice")
-    teams = ["a", "ab", "a-b", "a_b", "acme", "dispatcher"]
+    teams = ["a", "ab", "a-b", "a_b", "a0", "acme", "dispatcher", "batchapi", "batch-collector"]
     internal = [names.dispatcher_group(pool) for pool in ("chat", "a", "sim")]
     internal.append(names.batch_api_collector_group())
+    # A team's groups sit under its name and a separator no team name may hold.
+    assert all(TEAM_NAME.match(team) for team in teams)
+    assert not TEAM_NAME.match("a.b")
     for team in teams:
+        assert names.batch_collector_groups(team).endswith(f"{team}."), team
         groups = [g for g in team_grants(names, team) if g.resource == "group"]
         assert groups, team
         own = names.batch_collector_group(team, "batch_0123")

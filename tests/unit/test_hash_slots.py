@@ -12,6 +12,7 @@ from redis.crc import key_slot
 from dispatcher.acts import PLACE_SCRIPT, place_keys
 from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
 from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
+from infra.keys import CLAIM_SCRIPT, claim_keys
 from ingress.batch_keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
 from ingress.response_store import CANCEL_SCRIPT, cancel_keys
 from ingress.team_caps import GIVE_SCRIPT, RESPONSE_SCRIPT, TAKE_SCRIPT, responses_keys, storage_keys
@@ -46,6 +47,7 @@ def script_keys(rid: str) -> dict[str, list[str]]:
         "TAKE_SCRIPT": storage_keys(NAMES, rid),
         "GIVE_SCRIPT": storage_keys(NAMES, rid),
         "RESPONSE_SCRIPT": responses_keys(NAMES, rid),
+        "CLAIM_SCRIPT": claim_keys(NAMES),
         "LEASE_SCRIPT": [
             NAMES.partition_lease(rid).format(topic=t, partition=p)
             for t in (NAMES.requests_topic(rid), NAMES.batch_topic(rid))
@@ -76,6 +78,7 @@ def test_every_script_in_the_code_is_checked_here() -> None:
 SCRIPTS = [
     CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT,
     COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT, TAKE_SCRIPT, GIVE_SCRIPT, RESPONSE_SCRIPT,
+    CLAIM_SCRIPT,
 ]  # fmt: skip
 
 
