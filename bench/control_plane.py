@@ -43,10 +43,10 @@ from infra.launcher import (
     start_redis_cluster,
 )
 from ingress.streams import StreamHub, Subscription
-from queue_schemas.clients import node_client, redis_client
+from plumbing.clients import node_client, redis_client
+from plumbing.publisher import PipelinedPublisher
+from plumbing.replay import CHUNK_SCRIPT, chunk_args
 from queue_schemas.messages import TokenChunk
-from queue_schemas.publisher import PipelinedPublisher
-from queue_schemas.replay import CHUNK_SCRIPT, chunk_args
 from queue_schemas.settings import BusSettings
 
 CHUNK_TEXT = "word " * 4  # a coalesced chunk of a few tokens, as workers send under load

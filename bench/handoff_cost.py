@@ -32,9 +32,9 @@ from typing import Any
 from gpu_workers.handoff import KvTransfer, kv_folder
 from gpu_workers.vllm_engine import VllmEngine
 from infra.models import prepare_smollm2
+from plumbing.model_store import ModelStore
 from queue_schemas.config import HANDOFF_CONNECTOR, KvConnectorConfig, PoolConfig, VllmEngineConfig
 from queue_schemas.messages import InferenceRequest, KvRole, SamplingParams
-from queue_schemas.model_store import ModelStore
 
 MODELS = Path(".sluice/models")
 

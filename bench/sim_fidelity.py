@@ -35,10 +35,10 @@ from bench.sim.fleet import simulate
 from bench.sim.routers import Router, make_router
 from bench.sim.views import ReplicaView
 from infra.devstack import DEV_TEAM, Endpoints
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.names import Names
-from queue_schemas.openai_types import ChatMessage
 from queue_schemas.prefix import block_hashes, cache_salt
-from queue_schemas.tokenizer import ByteTokenizer
 
 WORKERS = 2
 BLOCK = 16

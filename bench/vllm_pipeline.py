@@ -154,11 +154,11 @@ async def _passes(
 
 async def direct(source: Path, levels: list[int], rounds: int, repeats: int, pinned: bool) -> Runs:
     from gpu_workers.vllm_engine import VllmEngine
+    from openai_api.openai_types import ChatMessage
+    from openai_api.tokenizer import HFTokenizer
+    from plumbing.model_store import ModelStore
     from queue_schemas.config import parse_config
     from queue_schemas.messages import InferenceRequest, SamplingParams
-    from queue_schemas.model_store import ModelStore
-    from queue_schemas.openai_types import ChatMessage
-    from queue_schemas.tokenizer import HFTokenizer
 
     pool = parse_config(CONFIG.format(model=MODEL, source=source)).pools[0]
     tok = HFTokenizer(source)

@@ -32,9 +32,9 @@ from bench.live import dev_stack
 from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
 from infra.launcher import child_pids
-from queue_schemas.openai_types import ChatMessage
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.settings import BusSettings
-from queue_schemas.tokenizer import ByteTokenizer
 
 WORDS = 30
 MAX_TOKENS = 400

@@ -13,9 +13,9 @@ from dispatcher import metrics
 from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
-from queue_schemas.clients import BusUnavailable
+from plumbing.clients import BusUnavailable
+from plumbing.deadletter import send_dead_letter
 from queue_schemas.codec import encode
-from queue_schemas.deadletter import send_dead_letter
 from queue_schemas.names import INBOX_FIELD, Names
 
 log = structlog.get_logger("sluice.dispatcher")

@@ -22,8 +22,14 @@ from redis.exceptions import RedisError
 from dispatcher import metrics
 from dispatcher.batch_intake import batch_request, parse_batch_body, plan_batch_output, prompt_ids
 from dispatcher.hold import Held
-from queue_schemas.answers import AnswerSink, Delivery
-from queue_schemas.api_errors import ApiError, InsufficientQuota, InvalidRequest, RateLimited
+from openai_api.checks import CheckRunner
+from openai_api.errors import ApiError, InsufficientQuota, InvalidRequest, RateLimited
+from openai_api.openai_types import ChatCompletionRequest
+from openai_api.quota_gate import QuotaGate, day_budget_left
+from openai_api.structured import checked_param, xgrammar_check
+from openai_api.tokenizer import PromptTokenizer
+from plumbing.answers import AnswerSink, Delivery
+from plumbing.quota import settle
 from queue_schemas.batch import (
     TEAM_NAME,
     BatchAnswer,
@@ -36,16 +42,11 @@ from queue_schemas.batch import (
     read_envelope,
     reply_topic_owned,
 )
-from queue_schemas.checks import CheckRunner
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import Names
-from queue_schemas.openai_types import ChatCompletionRequest
-from queue_schemas.quota import TeamRecord, settle
-from queue_schemas.quota_gate import QuotaGate, day_budget_left
 from queue_schemas.signing import Headers, read_signature, signature_valid
-from queue_schemas.structured import checked_param, xgrammar_check
-from queue_schemas.tokenizer import PromptTokenizer
+from queue_schemas.teams import TeamRecord
 from queue_schemas.usage import UsageStatus, usage_event
 
 log = structlog.get_logger("sluice.dispatcher.batch")

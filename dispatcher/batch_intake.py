@@ -10,20 +10,20 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from queue_schemas.admission import build_request, parse_body
-from queue_schemas.api_errors import InvalidRequest, NotFound
-from queue_schemas.batch import DEFAULT_COMPLETION_WINDOW_S, BatchSubmission, internal_request_id
-from queue_schemas.config import PoolConfig
-from queue_schemas.messages import BatchTicket, InferenceRequest, Priority, ReplyMode, Tier
-from queue_schemas.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields
-from queue_schemas.structured import (
+from openai_api.admission import build_request, parse_body
+from openai_api.errors import InvalidRequest, NotFound
+from openai_api.openai_types import ChatCompletionRequest, CompletionRequest, GenerationFields
+from openai_api.structured import (
     CompileCheck,
     OutputPlan,
     check_sizes,
     plan_output,
     tool_definitions,
 )
-from queue_schemas.tokenizer import PromptTokenizer, encode_off_loop
+from openai_api.tokenizer import PromptTokenizer, encode_off_loop
+from queue_schemas.batch import DEFAULT_COMPLETION_WINDOW_S, BatchSubmission, internal_request_id
+from queue_schemas.config import PoolConfig
+from queue_schemas.messages import BatchTicket, InferenceRequest, Priority, ReplyMode, Tier
 
 RUN_ALLOWANCE_S = 3600.0  # once started, how long a batch request may run before it is abandoned
 

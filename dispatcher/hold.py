@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 from pydantic import ValidationError
 
 from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, InferenceRequest, Priority
-from queue_schemas.quota import TeamRecord
+from queue_schemas.teams import TeamRecord
 
 BANDS = (*sorted(ENGINE_PRIORITY.values()), BATCH_ENGINE_PRIORITY)
 T = TypeVar("T")

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from redis.exceptions import RedisError
 
-from queue_schemas.clients import BusUnavailable
+from plumbing.clients import BusUnavailable
 
 log = structlog.get_logger("sluice.dispatcher")
 

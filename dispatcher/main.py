@@ -10,7 +10,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from dispatcher.service import Dispatcher
 from dispatcher.settings import DispatcherSettings
-from queue_schemas.clients import (
+from openai_api.tokenizer import tokenizer_for
+from plumbing.clients import (
     BusUnavailable,
     configure_logging,
     consumer_options,
@@ -18,10 +19,9 @@ from queue_schemas.clients import (
     redis_client,
     with_backoff,
 )
+from plumbing.health import Liveness, serve_metrics_and_health
+from plumbing.model_store import ModelStore
 from queue_schemas.config import ConfigError
-from queue_schemas.health import Liveness, serve_metrics_and_health
-from queue_schemas.model_store import ModelStore
-from queue_schemas.tokenizer import tokenizer_for
 
 
 async def serve(settings: DispatcherSettings, liveness: Liveness | None = None) -> None:

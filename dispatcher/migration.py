@@ -1,6 +1,6 @@
 """Moving a started request off a lost worker. Pure decisions, no I/O.
 
-The replay log (queue_schemas.replay) says what the client has been sent. The request goes to another
+The replay log (plumbing.replay) says what the client has been sent. The request goes to another
 worker with its prompt followed by those output tokens, max_tokens reduced by them and the same sampling
 settings; that worker's chunks continue the sequence numbers, so the client sees one stream. A greedy
 request continues exactly as an uninterrupted run would; a sampled one continues validly, but a seed
@@ -37,7 +37,7 @@ class Progress:
 
 
 def progress_of(events: Sequence[StreamEvent]) -> Progress:
-    """Progress from a log's chunks, in order from seq 0 (queue_schemas.replay.in_order)."""
+    """Progress from a log's chunks, in order from seq 0 (plumbing.replay.in_order)."""
     tokens: list[int] = []
     parts: list[str] = []
     ended = False

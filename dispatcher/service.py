@@ -42,11 +42,15 @@ from dispatcher.recovery import take_over
 from dispatcher.reporting import report_loop
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
-from queue_schemas.answers import AnswerSink
-from queue_schemas.clients import BusUnavailable, mget_any
+from openai_api.tokenizer import PromptTokenizer
+from plumbing.answers import AnswerSink
+from plumbing.clients import BusUnavailable, mget_any
+from plumbing.health import Liveness, item_failed
+from plumbing.quota import settle
+from plumbing.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
+from plumbing.state import follow_channel
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.health import Liveness, item_failed
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
@@ -56,10 +60,6 @@ from queue_schemas.messages import (
     Priority,
     Usage,
 )
-from queue_schemas.quota import settle
-from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
-from queue_schemas.state import follow_channel
-from queue_schemas.tokenizer import PromptTokenizer
 from queue_schemas.usage import UsageStatus, usage_event
 
 log = structlog.get_logger("sluice.dispatcher")

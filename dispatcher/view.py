@@ -16,12 +16,12 @@ from dispatcher.disagg import PrefillSide
 from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
 from dispatcher.table import Floats, WorkerTable, choose_fast
-from queue_schemas.clients import xread_any
+from plumbing.clients import xread_any
+from plumbing.state import read_heartbeats
 from queue_schemas.codec import decode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import Heartbeat, KvEvent, KvSnapshot
 from queue_schemas.names import Names
-from queue_schemas.state import read_heartbeats
 
 log = structlog.get_logger("sluice.dispatcher.view")
 

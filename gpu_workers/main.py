@@ -13,10 +13,10 @@ from gpu_workers.prefill import HandoffDesk
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
-from queue_schemas.clients import configure_logging, redis_client
+from plumbing.clients import configure_logging, redis_client
+from plumbing.health import Liveness, serve_metrics_and_health
+from plumbing.model_store import ModelStore
 from queue_schemas.config import ConfigError, PoolConfig
-from queue_schemas.health import Liveness, serve_metrics_and_health
-from queue_schemas.model_store import ModelStore
 
 
 def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:

@@ -1,6 +1,6 @@
 """Where a request's chunks go: streamed to its channel, or, for a batch request, gathered into one answer
 delivered on its reply topic at the end. Either way every chunk is written to the request's replay log
-(queue_schemas.replay), fenced on its placement, so another worker can take the request over."""
+(plumbing.replay), fenced on its placement, so another worker can take the request over."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import time
 import structlog
 from redis.exceptions import RedisError
 
-from queue_schemas.answers import AnswerSink
-from queue_schemas.batch import BatchAnswer, completed_answer, failed_answer
-from queue_schemas.clients import with_backoff
+from openai_api.batch_bodies import completed_answer
+from plumbing.answers import AnswerSink
+from plumbing.clients import with_backoff
+from plumbing.publisher import PipelinedPublisher
+from plumbing.replay import chunk_args, is_terminal, log_ttl_ms
+from queue_schemas.batch import BatchAnswer, failed_answer
 from queue_schemas.codec import encode
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk
 from queue_schemas.names import Names
-from queue_schemas.publisher import PipelinedPublisher
-from queue_schemas.replay import chunk_args, is_terminal, log_ttl_ms
 from queue_schemas.usage import Timing
 
 log = structlog.get_logger("sluice.worker")

@@ -26,9 +26,9 @@ from redis.exceptions import RedisError
 from gpu_workers import metrics
 from gpu_workers.engine import Engine, EngineError
 from gpu_workers.handoff import KvTransfer, PrefillRate, kv_folder, remove_kv, sweep
+from plumbing.health import item_failed
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
-from queue_schemas.health import item_failed
 from queue_schemas.messages import (
     Heartbeat,
     InferenceRequest,

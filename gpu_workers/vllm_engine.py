@@ -24,6 +24,7 @@ from gpu_workers.adapters import AdapterLru
 from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
 from gpu_workers.handoff import KvTransfer, transfer_params
 from gpu_workers.kv_translate import KvTranslator, salt_of
+from plumbing.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 from queue_schemas.config import (
     HANDOFF_CONNECTOR,
     HANDOFF_CONNECTOR_MODULE,
@@ -33,7 +34,6 @@ from queue_schemas.config import (
     VllmEngineConfig,
 )
 from queue_schemas.messages import FinishReason, InferenceRequest, KvRole
-from queue_schemas.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 
 log = structlog.get_logger("sluice.vllm")
 

@@ -51,11 +51,15 @@ from gpu_workers.starting import (
     process_started_at,
     start_refusal,
 )
-from queue_schemas.answers import AnswerSink
-from queue_schemas.clients import BusUnavailable, producer_options
+from plumbing.answers import AnswerSink
+from plumbing.clients import BusUnavailable, producer_options
+from plumbing.health import Liveness, item_failed
+from plumbing.publisher import PipelinedPublisher
+from plumbing.quota import settle
+from plumbing.replay import CHUNK_SCRIPT, log_ttl_ms
+from plumbing.state import follow_channel, publish_heartbeat
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
-from queue_schemas.health import Liveness, item_failed
 from queue_schemas.messages import (
     CancelNotice,
     ErrorChunk,
@@ -67,10 +71,6 @@ from queue_schemas.messages import (
     WorkerState,
 )
 from queue_schemas.names import INBOX_FIELD
-from queue_schemas.publisher import PipelinedPublisher
-from queue_schemas.quota import settle
-from queue_schemas.replay import CHUNK_SCRIPT, log_ttl_ms
-from queue_schemas.state import follow_channel, publish_heartbeat
 from queue_schemas.usage import UsageEvent, UsageStatus, usage_event
 
 RECENT_REQUESTS = 4096  # request ids a worker remembers having run, to drop an entry appended twice

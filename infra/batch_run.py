@@ -35,10 +35,10 @@ from infra.batch_file import (
     save_state,
 )
 from infra.topics import RESULTS_PARTITIONS, create_missing
+from plumbing.clients import consumer_options, producer_options
+from plumbing.deadletter import send_dead_letter
 from queue_schemas.batch import BatchAnswer
-from queue_schemas.clients import consumer_options, producer_options
 from queue_schemas.codec import decode, encode
-from queue_schemas.deadletter import send_dead_letter
 from queue_schemas.errors import SchemaError
 from queue_schemas.settings import BusSettings
 from queue_schemas.signing import sign_record

@@ -197,8 +197,8 @@ def usage_command(
     import datetime as dt
 
     from infra.usage_cli import parse_since, read_usage
+    from infra.usage_report import aggregate, usage_table
     from queue_schemas.settings import BusSettings
-    from queue_schemas.usage import aggregate, usage_table
 
     if by not in ("day", "model", "total"):
         console.print("[red]--by must be day, model or total[/red]")

@@ -33,7 +33,7 @@ from infra.launcher import (
     wait_until,
 )
 from infra.topics import create_topics
-from queue_schemas.clients import mget_any, redis_client
+from plumbing.clients import mget_any, redis_client
 from queue_schemas.codec import decode
 from queue_schemas.config import SluiceConfig, load_config
 from queue_schemas.messages import Heartbeat

@@ -9,8 +9,8 @@ import redis.asyncio as aioredis
 from queue_schemas.batch import TEAM_NAME, TOPIC_NAME
 from queue_schemas.keys import TeamKey, hash_api_key, key_id, new_api_key
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamLimits, TeamRecord
 from queue_schemas.signing import new_signing_key
+from queue_schemas.teams import TeamLimits, TeamRecord
 
 
 async def team_record(redis: aioredis.Redis, names: Names, team: str) -> TeamRecord:

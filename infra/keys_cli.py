@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
     from queue_schemas.names import Names
-    from queue_schemas.quota import TeamLimits, TeamRecord
+    from queue_schemas.teams import TeamLimits, TeamRecord
 
 T = TypeVar("T")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage team API keys, limits and batch signing keys")
@@ -26,7 +26,7 @@ DailyOpt = Annotated[int | None, typer.Option("--daily-tokens", help="team token
 
 def with_redis(action: Callable[[aioredis.Redis, Names], Awaitable[T]]) -> T:
     """Run one key-store action against SLUICE_REDIS_URL."""
-    from queue_schemas.clients import redis_client
+    from plumbing.clients import redis_client
     from queue_schemas.settings import BusSettings
 
     settings = BusSettings()
@@ -42,7 +42,7 @@ def with_redis(action: Callable[[aioredis.Redis, Names], Awaitable[T]]) -> T:
 
 
 def limits_of(tpm: int | None, rpm: int | None, daily: int | None) -> TeamLimits | None:
-    from queue_schemas.quota import TeamLimits
+    from queue_schemas.teams import TeamLimits
 
     if tpm is None and rpm is None and daily is None:
         return None

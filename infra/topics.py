@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
-from queue_schemas.clients import admin_options
+from plumbing.clients import admin_options
 from queue_schemas.config import SluiceConfig
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings

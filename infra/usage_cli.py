@@ -10,7 +10,7 @@ import datetime as dt
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from queue_schemas.clients import consumer_options
+from plumbing.clients import consumer_options
 from queue_schemas.settings import BusSettings
 from queue_schemas.usage import UsageEvent
 

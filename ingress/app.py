@@ -13,24 +13,24 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ingress.auth import Authenticator
-from ingress.batch_keeper import BatchKeeper
-from ingress.batch_routes import router as batch_router
+from ingress.batches.keeper import BatchKeeper
+from ingress.batches.object_store import object_store
+from ingress.batches.routes import router as batch_router
 from ingress.context import IngressContext
 from ingress.pool_gate import PoolGate
-from ingress.response_store import ResponseStore
-from ingress.responses_routes import router as responses_router
+from ingress.responses.routes import router as responses_router
+from ingress.responses.store import ResponseStore
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from ingress.usage_relay import UsageRelay
-from queue_schemas.api_errors import ApiError, MethodNotAllowed, NotFound
-from queue_schemas.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
-from queue_schemas.health import Liveness
-from queue_schemas.model_store import ModelStore
-from queue_schemas.object_store import object_store
-from queue_schemas.quota_gate import QuotaGate
-from queue_schemas.structured import preload_schema_compiler
-from queue_schemas.tokenizer import tokenizer_for
+from openai_api.errors import ApiError, MethodNotAllowed, NotFound
+from openai_api.quota_gate import QuotaGate
+from openai_api.structured import preload_schema_compiler
+from openai_api.tokenizer import tokenizer_for
+from plumbing.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
+from plumbing.health import Liveness
+from plumbing.model_store import ModelStore
 
 log = structlog.get_logger("sluice.ingress")
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from queue_schemas.api_errors import ApiError, AuthenticationFailed, PermissionDenied, ServiceUnavailable
+from openai_api.errors import ApiError, AuthenticationFailed, PermissionDenied, ServiceUnavailable
 from queue_schemas.keys import TeamKey, hash_api_key
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamLimits, TeamRecord
+from queue_schemas.teams import TeamLimits, TeamRecord
 
 
 @dataclass(frozen=True, slots=True)

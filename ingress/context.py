@@ -13,23 +13,23 @@ from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
 from ingress.auth import Authenticator
+from ingress.batches.object_store import ObjectStore
 from ingress.pool_gate import PoolGate
-from ingress.response_store import ResponseStore
+from ingress.responses.store import ResponseStore
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from ingress.upload_slots import UploadSlots
-from queue_schemas.admission import partition_key
-from queue_schemas.api_errors import ServiceUnavailable
-from queue_schemas.checks import CheckRunner
+from openai_api.admission import partition_key
+from openai_api.checks import CheckRunner
+from openai_api.errors import ServiceUnavailable
+from openai_api.quota_gate import QuotaGate
+from openai_api.tokenizer import PromptTokenizer
+from plumbing.health import Liveness
+from plumbing.quota import settle
+from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
-from queue_schemas.health import Liveness
 from queue_schemas.messages import CancelNotice, InferenceRequest, StreamEvent
-from queue_schemas.object_store import ObjectStore
-from queue_schemas.quota import settle
-from queue_schemas.quota_gate import QuotaGate
-from queue_schemas.replay import read_log
-from queue_schemas.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("sluice.ingress")
 

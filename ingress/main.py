@@ -6,7 +6,7 @@ import uvicorn
 
 from ingress.app import create_app
 from ingress.settings import IngressSettings
-from queue_schemas.clients import configure_logging
+from plumbing.clients import configure_logging
 from queue_schemas.config import ConfigError
 
 

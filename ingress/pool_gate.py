@@ -11,7 +11,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from queue_schemas.api_errors import ApiError, ServiceUnavailable
+from openai_api.errors import ApiError, ServiceUnavailable
 from queue_schemas.codec import decode
 from queue_schemas.config import PoolConfig
 from queue_schemas.errors import SchemaError

@@ -18,7 +18,9 @@ import structlog
 from redis.exceptions import RedisError
 
 from ingress.streams import RESYNC, HubDisconnected, Subscription
-from queue_schemas.api_errors import from_bus_error
+from openai_api.errors import from_bus_error
+from openai_api.openai_types import ResponseShape
+from openai_api.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
@@ -28,8 +30,6 @@ from queue_schemas.messages import (
     StreamEvent,
     TokenChunk,
 )
-from queue_schemas.openai_types import ResponseShape
-from queue_schemas.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
 
 log = structlog.get_logger("sluice.ingress.relay")
 

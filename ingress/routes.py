@@ -22,9 +22,9 @@ from ingress.auth import Caller
 from ingress.context import IngressContext
 from ingress.metrics import ACTIVE_STREAMS, INTER_TOKEN, REJECTIONS, REQUESTS, TTFT
 from ingress.streams import HubDisconnected, Subscription
-from queue_schemas import admission
-from queue_schemas.admission import parse_body
-from queue_schemas.api_errors import (
+from openai_api import admission
+from openai_api.admission import parse_body
+from openai_api.errors import (
     ApiError,
     InvalidRequest,
     NotFound,
@@ -32,18 +32,14 @@ from queue_schemas.api_errors import (
     PermissionDenied,
     ServiceUnavailable,
 )
-from queue_schemas.boundary import InputRefused, load_untrusted
-from queue_schemas.config import PoolConfig
-from queue_schemas.health import health_body
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
-from queue_schemas.openai_types import (
+from openai_api.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     GenerationFields,
     ResponseShape,
 )
-from queue_schemas.structured import (
+from openai_api.structured import (
     OutputPlan,
     check_sizes,
     checked_param,
@@ -51,7 +47,11 @@ from queue_schemas.structured import (
     tool_definitions,
     xgrammar_check,
 )
-from queue_schemas.tokenizer import encode_off_loop
+from openai_api.tokenizer import encode_off_loop
+from plumbing.health import health_body
+from queue_schemas.boundary import InputRefused, load_untrusted
+from queue_schemas.config import PoolConfig
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
 
 log = structlog.get_logger("sluice.ingress")
 router = APIRouter()

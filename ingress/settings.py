@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from ingress.batches.api import MAX_FILE_BYTES
 from ingress.team_caps import TeamCaps
-from queue_schemas.batch_api import MAX_FILE_BYTES
 from queue_schemas.messages import MAX_KEEP_LOG_S
 from queue_schemas.settings import BusSettings
 

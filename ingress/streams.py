@@ -12,7 +12,7 @@ A subscription is confirmed by Redis before `subscribe` returns, so a request is
 once its reply channel is live. If a connection drops, the subscriptions on it wait: the hub
 reconnects with backoff (on a cluster, after re-reading the slot map, so streams whose slots moved in a
 failover or a resharding follow them to the new owner), subscribes to their channels again, and hands
-each one RESYNC, so its reader fills what it missed from the request's replay log (queue_schemas.replay).
+each one RESYNC, so its reader fills what it missed from the request's replay log (plumbing.replay).
 A cluster that moves a slot away tells its subscribers (SUNSUBSCRIBE without being asked): those
 streams are re-homed the same way. A connection that cannot be restored within `outage_s` gives its
 subscriptions HubDisconnected, and those requests end with an error.
@@ -36,8 +36,8 @@ import structlog
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from queue_schemas.clients import as_cluster
-from queue_schemas.health import Liveness, item_failed
+from plumbing.clients import as_cluster
+from plumbing.health import Liveness, item_failed
 
 log = structlog.get_logger("sluice.ingress.streams")
 

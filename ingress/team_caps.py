@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from queue_schemas.api_errors import InvalidRequest, ServiceUnavailable
+from openai_api.errors import InvalidRequest, ServiceUnavailable
 from queue_schemas.names import Names
 
 # KEYS: the team's storage hash. ARGV: triples of (field, amount, cap; cap < 0 means none).

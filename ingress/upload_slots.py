@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TypeVar
 
-from queue_schemas.api_errors import RateLimited
+from openai_api.errors import RateLimited
 
 UPLOADS_PER_TEAM = 2
 SCAN_THREADS = 2

@@ -1,6 +1,6 @@
 """Moves usage events from the teams' outbox streams in Redis to the `<prefix>.usage` topic.
 
-The settle script writes each request's event to its team's outbox once (queue_schemas.quota). Every
+The settle script writes each request's event to its team's outbox once (plumbing.quota). Every
 ingress runs a relay; they share each outbox through one consumer group, so an entry goes to one relay,
 and an entry a dead relay had taken is claimed by another after `claim_idle_s`. An entry is
 acknowledged and deleted only after the broker has the record. A relay that dies between the two
@@ -27,7 +27,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from redis.exceptions import RedisError, ResponseError
 
-from queue_schemas.health import Liveness, item_failed
+from plumbing.health import Liveness, item_failed
 from queue_schemas.names import Names
 from queue_schemas.usage import UsageEvent
 
@@ -137,7 +137,7 @@ class UsageRelay:
         return moved
 
     async def _discover(self) -> None:
-        """The outboxes of the teams registered in the set (queue_schemas.quota.register_outbox)."""
+        """The outboxes of the teams registered in the set (plumbing.quota.register_outbox)."""
         teams = await self.redis.smembers(self.names.usage_teams())
         found = {self.names.usage_outbox(t) for t in team_names(teams)}
         for stream in found - self._streams:

@@ -18,16 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from queue_schemas.boundary import InputRefused, load_untrusted
 from queue_schemas.messages import (
     SCHEMA_VERSION,
-    BatchTicket,
-    FinishReason,
     InferenceRequest,
     Message,
     Name,
-    Usage,
 )
 from queue_schemas.names import Names
-from queue_schemas.openai_types import ResponseShape
-from queue_schemas.structured import ToolCallPlan, completion_body
 
 TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9._\-]{1,249}$")
@@ -218,25 +213,6 @@ def failure_answer(
         custom_id=custom_id,
         error=AnswerError(code=code, message=message),
     )
-
-
-def ticket_tool(ticket: BatchTicket) -> ToolCallPlan | None:
-    return None if ticket.call_id is None else ToolCallPlan(ticket.call_id, ticket.function, ticket.auto)
-
-
-def completed_answer(request: InferenceRequest, text: str, finish: FinishReason, usage: Usage) -> BatchAnswer:
-    """The 200 answer to a batch request the engine finished: the same body a non-streaming client gets."""
-    ticket = request.batch
-    assert ticket is not None, "only batch requests are answered on Kafka"
-    prefix = "chatcmpl" if ticket.kind == "chat" else "cmpl"
-    shape = ResponseShape(
-        ticket.kind,
-        f"{prefix}-{request.request_id}",
-        int(request.created_at),
-        request.adapter or request.model,
-    )
-    body = completion_body(shape, text, finish, usage, ticket_tool(ticket))
-    return http_answer(request.request_id, ticket.request_id, ticket.custom_id, 200, body)
 
 
 def failed_answer(request: InferenceRequest, code: str, message: str) -> BatchAnswer:

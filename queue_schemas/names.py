@@ -194,7 +194,7 @@ class Names:
         return f"{self.prefix}:req:{{{request_id}}}"
 
     def replay(self, request_id: str) -> str:
-        """Hash: seq -> every chunk of the request published so far (see queue_schemas.replay)."""
+        """Hash: seq -> every chunk of the request published so far (see plumbing.replay)."""
         return f"{self.prefix}:replay:{{{request_id}}}"
 
     def answered(self, request_id: str) -> str:

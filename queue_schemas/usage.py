@@ -1,7 +1,7 @@
 """Usage events: one record per ended request on `<prefix>.usage`, for chargeback and reconciliation.
 
 Whoever ends a request (the worker that served it, the dispatcher that dropped it) settles its quota
-reservation, and the settle script (queue_schemas.quota) writes the event to the team's outbox stream in
+reservation, and the settle script (plumbing.quota) writes the event to the team's outbox stream in
 the same step, with what the team was charged filled in by the script. A per-request mark makes that
 happen once, however many services try. The relay (ingress.usage_relay) produces outbox entries to
 Kafka and deletes them once the broker has them. docs/usage.md documents the record.
@@ -11,9 +11,7 @@ Pure: building events and aggregating them. Reading and producing live in the se
 
 from __future__ import annotations
 
-import datetime as dt
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
@@ -106,86 +104,4 @@ def usage_event(
         ended_at=now,
         batch_request_id=None if request.batch is None else request.batch.request_id,
         deadline=request.deadline,
-    )
-
-
-# Aggregation for `sluice usage`
-
-
-@dataclass
-class UsageRow:
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    charged_tokens: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
-
-    def add(self, event: UsageEvent) -> None:
-        self.requests += 1
-        self.prompt_tokens += event.prompt_tokens
-        self.cached_tokens += event.cached_tokens
-        self.completion_tokens += event.completion_tokens
-        self.charged_tokens += event.charged_tokens
-        self.statuses[event.status.value] = self.statuses.get(event.status.value, 0) + 1
-
-
-def usage_day(event: UsageEvent) -> str:
-    return dt.datetime.fromtimestamp(event.ended_at, dt.UTC).strftime("%Y-%m-%d")
-
-
-def aggregate(
-    events: Iterable[UsageEvent], team: str, since: float, by: Literal["day", "model", "total"]
-) -> dict[str, UsageRow]:
-    """The team's usage of requests ended at or after `since`, per day, per model or in total. An event
-    seen twice (the relay re-produces an entry when it dies between the broker's ack and its own) counts
-    once: request ids are unique."""
-    rows: dict[str, UsageRow] = {}
-    seen: set[str] = set()
-    for event in events:
-        if event.team != team or event.ended_at < since or event.request_id in seen:
-            continue
-        seen.add(event.request_id)
-        key = usage_day(event) if by == "day" else event.model if by == "model" else "total"
-        rows.setdefault(key, UsageRow()).add(event)
-    return dict(sorted(rows.items()))
-
-
-def usage_table(rows: dict[str, UsageRow], by: str) -> str:
-    """The rows as an aligned text table with a total line."""
-    header = (by, "requests", "prompt", "cached", "completion", "charged", "statuses")
-    total = UsageRow()
-    lines: list[tuple[str, ...]] = []
-    for key, row in rows.items():
-        lines.append(_cells(key, row))
-        total.requests += row.requests
-        total.prompt_tokens += row.prompt_tokens
-        total.cached_tokens += row.cached_tokens
-        total.completion_tokens += row.completion_tokens
-        total.charged_tokens += row.charged_tokens
-        for status, n in row.statuses.items():
-            total.statuses[status] = total.statuses.get(status, 0) + n
-    if by != "total":
-        lines.append(_cells("total", total))
-    table = [header, *lines]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(
-            cell.ljust(w) if i in (0, 6) else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in table
-    )
-
-
-def _cells(key: str, row: UsageRow) -> tuple[str, ...]:
-    statuses = " ".join(f"{k}={v}" for k, v in sorted(row.statuses.items()))
-    return (
-        key,
-        f"{row.requests:,}",
-        f"{row.prompt_tokens:,}",
-        f"{row.cached_tokens:,}",
-        f"{row.completion_tokens:,}",
-        f"{row.charged_tokens:,}",
-        statuses,
     )

@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from queue_schemas.clients import admin_options, consumer_options, redis_client, with_backoff
-from queue_schemas.health import Liveness, health_body
+from plumbing.clients import admin_options, consumer_options, redis_client, with_backoff
+from plumbing.health import Liveness, health_body
 from scaler.backends import Backend, DryRunBackend, LocalBackend
 from scaler.dashboard import dashboard_body, report_body
 from scaler.kubernetes import KubernetesBackend

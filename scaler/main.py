@@ -6,7 +6,7 @@ import sys
 
 import uvicorn
 
-from queue_schemas.clients import configure_logging
+from plumbing.clients import configure_logging
 from queue_schemas.config import ConfigError
 from scaler.app import create_app
 from scaler.settings import ScalerSettings

@@ -21,12 +21,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from plumbing.health import Liveness, health_body, item_failed
+from plumbing.state import read_heartbeats
 from queue_schemas.codec import encode
 from queue_schemas.config import PoolConfig, ScalingConfig
-from queue_schemas.health import Liveness, health_body, item_failed
 from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
-from queue_schemas.state import read_heartbeats
 from scaler import metrics
 from scaler.backends import Backend, DrainAsks
 from scaler.burrow import LagWindow, Status, pool_status

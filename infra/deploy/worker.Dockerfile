@@ -3,6 +3,8 @@ FROM vllm/vllm-openai:v0.11.0
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY queue_schemas ./queue_schemas
+COPY plumbing ./plumbing
+COPY openai_api ./openai_api
 COPY ingress ./ingress
 COPY dispatcher ./dispatcher
 COPY gpu_workers ./gpu_workers

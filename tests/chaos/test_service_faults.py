@@ -38,12 +38,12 @@ from infra.devstack import DevStack, Endpoints
 from infra.keys import set_reply_prefixes
 from infra.launcher import ManagedProcess, child_pids, free_port, start_object_store
 from infra.usage_cli import read_usage
-from queue_schemas.clients import redis_client
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
+from plumbing.clients import redis_client
 from queue_schemas.codec import decode, encode
 from queue_schemas.messages import Heartbeat
-from queue_schemas.openai_types import ChatMessage
 from queue_schemas.settings import BusSettings
-from queue_schemas.tokenizer import ByteTokenizer
 from tests.chaos.load import Load, Outcome
 from tests.integration.helpers import (
     chat,

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from infra.devstack import DevStack, Endpoints
-from queue_schemas.clients import redis_client
+from plumbing.clients import redis_client
 from queue_schemas.settings import BusSettings
 
 T = TypeVar("T")

@@ -27,8 +27,9 @@ from redis.crc import key_slot
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key, set_team_limits
 from infra.launcher import slot_ranges
+from plumbing.quota import utc_day
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamLimits, utc_day
+from queue_schemas.teams import TeamLimits
 from tests.cluster.conftest import with_cluster
 from tests.e2e.test_responses import expected_text, read_until, resume
 from tests.e2e.test_streaming_contract import chat_prompt_ids, sim_reply

@@ -13,7 +13,7 @@ from redis.crc import key_slot
 
 from infra.launcher import LocalCluster, free_ports, node_command, start_redis_cluster
 from ingress.streams import RESYNC, StreamHub
-from queue_schemas.clients import as_cluster, node_client, redis_client
+from plumbing.clients import as_cluster, node_client, redis_client
 from queue_schemas.settings import BusSettings
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,11 +13,12 @@ import redis.asyncio as aioredis
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key, set_team_limits
 from infra.models import build_tiny_tokenizer
+from plumbing.quota import utc_day
+from plumbing.replay import is_terminal, read_log
 from queue_schemas.codec import decode
 from queue_schemas.messages import Heartbeat, StreamEvent
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamLimits, utc_day
-from queue_schemas.replay import is_terminal, read_log
+from queue_schemas.teams import TeamLimits
 
 # Pools beside the default one, each there for a behaviour the tests need to see.
 EXTRA_POOLS = """

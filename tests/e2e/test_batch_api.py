@@ -20,9 +20,9 @@ from openai.types import Batch
 from gpu_workers.simulated import answer_to
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.names import Names
-from queue_schemas.openai_types import ChatMessage
-from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import openai_client, team_key
 
 pytestmark = pytest.mark.timeout(300)

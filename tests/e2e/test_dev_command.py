@@ -27,12 +27,12 @@ from pydantic import BaseModel, Field, SecretStr
 
 from gpu_workers.kv_publisher import KvMirror
 from infra.models import build_tiny_llama
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import HFTokenizer
 from queue_schemas.codec import decode
 from queue_schemas.messages import Heartbeat, KvEvent
 from queue_schemas.names import Names
-from queue_schemas.openai_types import ChatMessage
 from queue_schemas.prefix import block_hashes, cache_salt
-from queue_schemas.tokenizer import HFTokenizer
 
 MODEL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from infra.devstack import Endpoints
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamLimits
+from queue_schemas.teams import TeamLimits
 from tests.e2e.conftest import openai_client, team_key
 
 pytestmark = pytest.mark.timeout(120)

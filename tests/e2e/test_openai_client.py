@@ -12,11 +12,11 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gpu_workers.simulated import reply_text
 from infra.devstack import Endpoints
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.config import load_config
 from queue_schemas.messages import DeadLetter, InferenceRequest, SamplingParams
 from queue_schemas.names import Names
-from queue_schemas.openai_types import ChatMessage
-from queue_schemas.tokenizer import ByteTokenizer
 from tests.conftest import read_dead_letters
 from tests.e2e.conftest import openai_client
 

@@ -14,7 +14,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from infra.devstack import Endpoints
-from queue_schemas.quota import TeamLimits
+from queue_schemas.teams import TeamLimits
 from tests.e2e.conftest import day_used, openai_client, team_key
 from tests.e2e.test_streaming_contract import chat_prompt_ids
 

@@ -20,7 +20,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key
-from queue_schemas.admission import new_request_id
+from openai_api.admission import new_request_id
 from queue_schemas.keys import hash_api_key
 from queue_schemas.names import Names
 from tests.e2e.conftest import openai_client, team_key

@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from gpu_workers.simulated import reply_text
 from infra.devstack import Endpoints
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, InferenceRequest, SamplingParams, TokenChunk
-from queue_schemas.openai_types import ChatMessage
-from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import day_used, heartbeat, openai_client, placed_on, team_key, terminal_log
 from tests.waiting import until
 

@@ -13,9 +13,9 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from gpu_workers.simulated import answer_to, apply_stops, reply_text, structured_text
 from infra.devstack import Endpoints
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
-from queue_schemas.openai_types import ChatMessage
-from queue_schemas.tokenizer import ByteTokenizer
 from tests.e2e.conftest import openai_client
 
 pytestmark = pytest.mark.timeout(90)

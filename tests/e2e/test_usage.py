@@ -16,8 +16,8 @@ from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from infra.devstack import Endpoints
 from infra.usage_cli import read_usage
+from ingress.batches.api import line_request_id
 from queue_schemas.batch import internal_request_id
-from queue_schemas.batch_api import line_request_id
 from queue_schemas.keys import key_id
 from queue_schemas.settings import BusSettings
 from queue_schemas.usage import UsageEvent

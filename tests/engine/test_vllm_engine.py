@@ -12,8 +12,8 @@ from dispatcher.migration import continuation, progress_of
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EngineError, EngineOutput
 from gpu_workers.vllm_engine import VllmEngine
+from plumbing.model_store import ModelStore
 from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, KvEventKind, TokenChunk
-from queue_schemas.model_store import ModelStore
 from queue_schemas.prefix import block_hashes, cache_salt
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
 from tests.waiting import eventually

@@ -15,9 +15,9 @@ from gpu_workers.handoff import KvTransfer
 from gpu_workers.prefill import expected_rows, saved_rows
 from gpu_workers.vllm_engine import VllmEngine
 from infra.models import prepare_smollm2
+from plumbing.model_store import ModelStore
 from queue_schemas.config import HANDOFF_CONNECTOR, KvConnectorConfig, VllmEngineConfig
 from queue_schemas.messages import KvRole
-from queue_schemas.model_store import ModelStore
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT)]

@@ -13,9 +13,9 @@ import pytest_asyncio
 from gpu_workers.engine import EngineError
 from gpu_workers.vllm_engine import VllmEngine
 from infra.models import build_lora_adapter
+from plumbing.model_store import ModelStore
 from queue_schemas.config import AdapterConfig
 from queue_schemas.messages import InferenceRequest
-from queue_schemas.model_store import ModelStore
 from tests.engine.conftest import ENGINE_TIMEOUT, request_for, tiny_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT), pytest.mark.asyncio(loop_scope="module")]

@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 
 from gpu_workers.vllm_engine import VllmEngine
+from plumbing.model_store import ModelStore
 from queue_schemas.messages import InferenceRequest, Priority
-from queue_schemas.model_store import ModelStore
 from tests.engine.conftest import ENGINE_TIMEOUT, request_for, tiny_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT), pytest.mark.asyncio(loop_scope="module")]

@@ -16,7 +16,7 @@ import pytest
 from gpu_workers.engine import EngineError
 from gpu_workers.vllm_engine import VllmEngine
 from infra.launcher import free_port, start_object_store
-from queue_schemas.model_store import COMPLETE_MARK, ModelSourceError, ModelStore, cache_folder
+from plumbing.model_store import COMPLETE_MARK, ModelSourceError, ModelStore, cache_folder
 from tests.engine.conftest import ENGINE_TIMEOUT, request_for, tiny_pool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT)]

@@ -28,7 +28,8 @@ from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
 from infra.keys import create_signing_key
 from infra.launcher import ManagedProcess, spawn
-from queue_schemas.clients import consumer_options, producer_options, redis_client
+from openai_api.tokenizer import ByteTokenizer
+from plumbing.clients import consumer_options, producer_options, redis_client
 from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
@@ -45,7 +46,6 @@ from queue_schemas.messages import (
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 from queue_schemas.signing import load_private_key, sign_record
-from queue_schemas.tokenizer import ByteTokenizer
 from scaler.service import LagReader
 from tests.conftest import Bus
 from tests.waiting import eventually

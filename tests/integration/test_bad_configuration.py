@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from infra.launcher import free_port
+from plumbing.state import read_heartbeats
 from queue_schemas.codec import decode
 from queue_schemas.messages import Heartbeat, WorkerState
-from queue_schemas.state import read_heartbeats
 from tests.conftest import Bus
 
 pytestmark = pytest.mark.timeout(90)

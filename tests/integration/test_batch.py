@@ -6,9 +6,9 @@ import json
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from openai_api.quota_gate import QuotaGate
 from queue_schemas.batch import internal_request_id
-from queue_schemas.quota import TeamLimits, TeamRecord
-from queue_schemas.quota_gate import QuotaGate
+from queue_schemas.teams import TeamLimits, TeamRecord
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
     Pipeline,

@@ -17,9 +17,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from infra.keys import create_signing_key
-from queue_schemas.clients import redis_client
-from queue_schemas.quota import TeamRecord
+from plumbing.clients import redis_client
 from queue_schemas.settings import BusSettings
+from queue_schemas.teams import TeamRecord
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import Services, create_topics, leased, produce, wait_workers
 from tests.integration.test_failover import POOL_FILE

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from queue_schemas.messages import FinalChunk
-from queue_schemas.quota import TeamLimits, TeamRecord
 from queue_schemas.signing import sign_record
+from queue_schemas.teams import TeamLimits, TeamRecord
 from tests.conftest import Bus
 from tests.integration.helpers import (
     chat,

@@ -17,10 +17,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from ingress import batch_keeper as keeper_module
-from ingress.batch_keeper import STEP_FAULTS, BatchKeeper, save_file_record
-from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps
-from queue_schemas.batch_api import (
+from ingress.batches import keeper as keeper_module
+from ingress.batches.api import (
     BatchCreate,
     FileRecord,
     as_text,
@@ -31,11 +29,13 @@ from queue_schemas.batch_api import (
     parse_line_request_id,
     scan_file,
 )
+from ingress.batches.keeper import STEP_FAULTS, BatchKeeper, save_file_record
+from ingress.batches.object_store import LocalStore
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps
+from plumbing.health import ITEMS_FAILED
 from queue_schemas.config import load_config
-from queue_schemas.health import ITEMS_FAILED
 from queue_schemas.keys import TeamKey
 from queue_schemas.names import Names
-from queue_schemas.object_store import LocalStore
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
 from tests.integration.helpers import create_topics
@@ -161,12 +161,12 @@ async def test_a_batch_whose_step_raises_fails_alone(bus: Bus, tmp_path: Path) -
         raw = await h.redis.get(h.names.file_record("mallory", file_id))
         record = FileRecord.model_validate_json(raw or b"")
         await h.keeper.store.put(record.key, b'{"custom_id": 1}\n' * 3)
-        failed_before = ITEMS_FAILED.labels("ingress.batch_keeper")._value.get()
+        failed_before = ITEMS_FAILED.labels("ingress.batches.keeper")._value.get()
         await h.rounds(STEP_FAULTS + 2)
         bad = await h.fields("mallory", poisoned)
         assert bad["status"] == "failed"
         assert "could not be processed (ValueError)" in bad["errors"]
-        assert ITEMS_FAILED.labels("ingress.batch_keeper")._value.get() == failed_before + 1
+        assert ITEMS_FAILED.labels("ingress.batches.keeper")._value.get() == failed_before + 1
         good = await h.fields("acme", healthy)
         assert good["status"] == "in_progress"
         assert good["cursor"] == "3"

@@ -13,10 +13,10 @@ from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from gpu_workers.starting import BEGIN_SCRIPT, STARTED_MARK_TTL_MS
-from queue_schemas.clients import redis_client
+from plumbing.clients import redis_client
+from plumbing.replay import CHUNK_SCRIPT, chunk_args, read_log
 from queue_schemas.codec import encode
 from queue_schemas.messages import TokenChunk
-from queue_schemas.replay import CHUNK_SCRIPT, chunk_args, read_log
 from tests.conftest import Bus
 from tests.integration.helpers import make_request
 

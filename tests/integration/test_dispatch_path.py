@@ -10,8 +10,8 @@ from prometheus_client import REGISTRY
 from redis.asyncio.client import PubSub
 
 from gpu_workers.simulated import reply_text
+from plumbing.deadletter import PAYLOAD_LIMIT
 from queue_schemas.codec import MAX_MESSAGE_BYTES, decode_stream_event, encode
-from queue_schemas.deadletter import PAYLOAD_LIMIT
 from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,

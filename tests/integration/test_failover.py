@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaProducer
 
 from gpu_workers.simulated import apply_stops, reply_text
 from infra.launcher import free_port
-from queue_schemas.clients import producer_options, redis_client
+from plumbing.clients import producer_options, redis_client
 from queue_schemas.codec import encode
 from queue_schemas.messages import FinalChunk, StreamEvent, TokenChunk
 from queue_schemas.settings import BusSettings

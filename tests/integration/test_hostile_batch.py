@@ -10,12 +10,12 @@ import time
 import pytest
 
 from gpu_workers.simulated import reply_text
+from openai_api.quota_gate import QuotaGate
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, FinalChunk, TokenChunk
-from queue_schemas.quota import TeamLimits, TeamRecord
-from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.signing import sign_record
+from queue_schemas.teams import TeamLimits, TeamRecord
 from tests.conftest import Bus, read_dead_letters
 from tests.integration.helpers import (
     Pipeline,

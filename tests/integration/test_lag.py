@@ -10,7 +10,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from queue_schemas.clients import consumer_options, producer_options, redis_client
+from plumbing.clients import consumer_options, producer_options, redis_client
 from queue_schemas.settings import BusSettings
 from scaler.service import LagReader
 from tests.conftest import Bus

@@ -24,11 +24,11 @@ from gpu_workers.worker import REQUEST_FAULT, Worker
 from infra.usage_cli import read_usage
 from ingress.streams import RESYNC, HubDisconnected, StreamHub
 from ingress.usage_relay import UsageRelay
-from queue_schemas.clients import producer_options, redis_client
+from plumbing.clients import producer_options, redis_client
+from plumbing.health import Liveness
 from queue_schemas.codec import encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.errors import ErrorCode
-from queue_schemas.health import Liveness
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk, Usage
 from queue_schemas.names import INBOX_FIELD
 from queue_schemas.usage import UsageStatus, usage_event

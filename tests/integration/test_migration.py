@@ -28,7 +28,7 @@ from queue_schemas.messages import (
     TokenChunk,
     WorkerState,
 )
-from queue_schemas.quota import TeamRecord
+from queue_schemas.teams import TeamRecord
 from tests.conftest import Bus
 from tests.integration.helpers import (
     Pipeline,

@@ -12,7 +12,7 @@ import pytest
 from botocore.config import Config
 
 from infra.launcher import free_port, start_object_store
-from queue_schemas.object_store import LocalStore, ObjectStore, StoreUnavailable, object_store
+from ingress.batches.object_store import LocalStore, ObjectStore, StoreUnavailable, object_store
 
 pytestmark = pytest.mark.timeout(60)
 

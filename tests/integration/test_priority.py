@@ -11,6 +11,8 @@ import time
 import pytest
 
 from gpu_workers.simulated import answer_to, apply_stops
+from openai_api.openai_types import ChatMessage
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
@@ -23,9 +25,7 @@ from queue_schemas.messages import (
     TokenChunk,
     WorkerState,
 )
-from queue_schemas.openai_types import ChatMessage
-from queue_schemas.quota import TeamRecord
-from queue_schemas.tokenizer import ByteTokenizer
+from queue_schemas.teams import TeamRecord
 from tests.conftest import Bus
 from tests.integration.helpers import (
     Pipeline,

@@ -8,8 +8,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from queue_schemas.clients import redis_client
-from queue_schemas.publisher import PipelinedPublisher
+from plumbing.clients import redis_client
+from plumbing.publisher import PipelinedPublisher
 from tests.conftest import Bus
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from queue_schemas.api_errors import InsufficientQuota, RateLimited
-from queue_schemas.clients import redis_client
+from openai_api.errors import InsufficientQuota, RateLimited
+from openai_api.quota_gate import QuotaGate
+from plumbing.clients import redis_client
+from plumbing.quota import settle, utc_day
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamLimits, settle, utc_day
-from queue_schemas.quota_gate import QuotaGate
+from queue_schemas.teams import TeamLimits
 from tests.conftest import Bus
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from infra.keys import CLAIM_SCRIPT, claim_keys, create_key, overlapping_prefix, set_reply_prefixes
 from queue_schemas.names import Names
-from queue_schemas.quota import TeamRecord
+from queue_schemas.teams import TeamRecord
 from tests.conftest import Bus
 
 pytestmark = pytest.mark.timeout(30)

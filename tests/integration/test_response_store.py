@@ -12,14 +12,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from gpu_workers.starting import BEGIN_SCRIPT, STARTED_MARK_TTL_MS, begin_keys
-from ingress.response_store import ResponseStore
-from queue_schemas.clients import redis_client
+from ingress.responses.events import ResponseRecord
+from ingress.responses.store import ResponseStore
+from plumbing.clients import redis_client
+from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, TokenChunk
 from queue_schemas.names import Names
-from queue_schemas.replay import read_log
-from queue_schemas.response_events import ResponseRecord
 from tests.conftest import Bus
 
 pytestmark = pytest.mark.timeout(60)

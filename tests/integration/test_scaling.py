@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from infra.launcher import free_port
-from queue_schemas.clients import redis_client
+from plumbing.clients import redis_client
 from queue_schemas.messages import FinalChunk, TokenChunk
 from tests.conftest import Bus
 from tests.integration.helpers import Services, collect, create_topics, make_request, send_requests, terminals

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ingress.streams import StreamHub
-from queue_schemas.clients import redis_client
+from plumbing.clients import redis_client
 from tests.conftest import Bus
 from tests.waiting import eventually
 

@@ -18,11 +18,11 @@ import pytest
 from infra.launcher import ManagedProcess, free_port, start_redis
 from ingress.relay import events
 from ingress.streams import StreamHub
-from queue_schemas.clients import redis_client
+from plumbing.clients import redis_client
+from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import ErrorChunk, FinalChunk, StreamEvent, TokenChunk
-from queue_schemas.replay import read_log
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
 from tests.integration.helpers import make_request, pipeline

@@ -9,6 +9,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from ingress.batches.api import as_text
 from ingress.team_caps import (
     BATCH_LINES,
     BATCHES,
@@ -19,7 +20,6 @@ from ingress.team_caps import (
     TeamCaps,
     TeamStorage,
 )
-from queue_schemas.batch_api import as_text
 from tests.conftest import Bus
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,7 +10,7 @@ from dispatcher.acts import Acts
 from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
-from queue_schemas.clients import redis_client
+from plumbing.clients import redis_client
 from queue_schemas.codec import decode
 from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import INBOX_FIELD

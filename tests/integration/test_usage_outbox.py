@@ -13,11 +13,12 @@ from aiokafka import AIOKafkaProducer
 
 from infra.usage_cli import read_usage
 from ingress.usage_relay import RELAY_GROUP, UsageRelay
-from queue_schemas.clients import producer_options, redis_client
+from openai_api.quota_gate import QuotaGate
+from plumbing.clients import producer_options, redis_client
+from plumbing.quota import settle, utc_day
 from queue_schemas.messages import InferenceRequest, SamplingParams, Usage
-from queue_schemas.quota import TeamLimits, settle, utc_day
-from queue_schemas.quota_gate import QuotaGate
 from queue_schemas.settings import BusSettings
+from queue_schemas.teams import TeamLimits
 from queue_schemas.usage import UsageEvent, UsageStatus, usage_event
 from tests.conftest import Bus
 from tests.integration.helpers import create_topics

@@ -1,10 +1,10 @@
 import pytest
 
-from queue_schemas.admission import build_request, partition_key
-from queue_schemas.api_errors import InvalidRequest
+from openai_api.admission import build_request, partition_key
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import ChatCompletionRequest
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.config import PoolConfig
-from queue_schemas.openai_types import ChatCompletionRequest
-from queue_schemas.tokenizer import ByteTokenizer
 
 POOL = PoolConfig(name="sim", model="sluice-sim", context_tokens=200, default_max_tokens=50, block_size=16)
 TEAM = "dev"

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ingress.batch_files import READ_WINDOW, lines_from, read_window
-from queue_schemas.batch_api import (
+from ingress.batches.api import (
     CANCEL_GRACE_S,
     MAX_LINE_BYTES,
     MAX_REQUESTS,
@@ -35,8 +34,9 @@ from queue_schemas.batch_api import (
     scan_file,
     split_results,
 )
+from ingress.batches.files import READ_WINDOW, lines_from, read_window
+from ingress.batches.object_store import LocalStore
 from queue_schemas.keys import TeamKey
-from queue_schemas.object_store import LocalStore
 
 
 def line(custom_id: str, **over: object) -> str:

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.batch_intake import batch_request, parse_batch_body, plan_batch_output
-from queue_schemas.admission import build_request, parse_body
-from queue_schemas.api_errors import ApiError
+from ingress.batches.api import MAX_LINE_BYTES, parse_line, read_input
+from openai_api.admission import build_request, parse_body
+from openai_api.errors import ApiError
+from openai_api.openai_types import ChatCompletionRequest, CompletionRequest
 from queue_schemas.batch import BatchSubmission, failed_answer, http_answer, load_record, parse_submission
-from queue_schemas.batch_api import MAX_LINE_BYTES, parse_line, read_input
 from queue_schemas.boundary import INT64_MAX, MAX_DEPTH, InputLimits, InputRefused, load_untrusted
 from queue_schemas.codec import encode
 from queue_schemas.config import load_config
-from queue_schemas.openai_types import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
-from queue_schemas.deadletter import PAYLOAD_LIMIT, REASON_LIMIT, dead_letter, send_dead_letter
+from plumbing.deadletter import PAYLOAD_LIMIT, REASON_LIMIT, dead_letter, send_dead_letter
 
 
 def record(value: bytes) -> ConsumerRecord[Any, Any]:

@@ -22,6 +22,7 @@ from gpu_workers.vllm_engine import (
     zero_adapter,
 )
 from infra.install_engine import cpu_requirements
+from plumbing.model_store import ModelSourceError
 from queue_schemas.config import AdapterConfig, ConfigError, PoolConfig, VllmEngineConfig, parse_config
 from queue_schemas.messages import (
     FinishReason,
@@ -30,7 +31,6 @@ from queue_schemas.messages import (
     SamplingParams,
     StructuredOutput,
 )
-from queue_schemas.model_store import ModelSourceError
 from queue_schemas.prefix import block_hashes
 
 

@@ -13,16 +13,16 @@ from dispatcher.acts import PLACE_SCRIPT, place_keys
 from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
 from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
 from infra.keys import CLAIM_SCRIPT, claim_keys
-from ingress.batch_keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
-from ingress.response_store import CANCEL_SCRIPT, cancel_keys
+from ingress.batches.keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
+from ingress.responses.store import CANCEL_SCRIPT, cancel_keys
 from ingress.team_caps import GIVE_SCRIPT, RESPONSE_SCRIPT, TAKE_SCRIPT, responses_keys, storage_keys
+from plumbing.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
+from plumbing.replay import CHUNK_SCRIPT, chunk_args
 from queue_schemas.messages import TokenChunk
 from queue_schemas.names import Names
-from queue_schemas.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
-from queue_schemas.replay import CHUNK_SCRIPT, chunk_args
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ingress", "dispatcher", "gpu_workers", "scaler", "queue_schemas", "infra")
+PACKAGES = ("ingress", "dispatcher", "gpu_workers", "scaler", "queue_schemas", "plumbing", "openai_api", "infra")
 NAMES = Names("sluice")
 IDS = ("req-0001", "a1b2c3d4e5f6a7b8c9d0", "team-alpha", "chat-pool-1", "pool_odd_1")
 

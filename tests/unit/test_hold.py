@@ -1,7 +1,7 @@
 from dispatcher.batch_desk import served_already
 from dispatcher.hold import FairQueue, Held, Hold, team_weights
 from queue_schemas.messages import InferenceRequest, Priority, SamplingParams, Tier
-from queue_schemas.quota import TeamRecord
+from queue_schemas.teams import TeamRecord
 
 
 def held(

@@ -1,4 +1,6 @@
-"""The dependency direction of DESIGN: services import only queue_schemas; infra imports the services."""
+"""The dependency direction of DESIGN: the contract (queue_schemas) imports nothing of sluice's and no I/O
+library; the shared packages (plumbing, openai_api) import the contract and each other, never a service;
+services import the contract and the shared packages, never each other; infra imports the services."""
 
 import ast
 from pathlib import Path
@@ -7,6 +9,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("ingress", "dispatcher", "gpu_workers", "scaler")
+SHARED = ("plumbing", "openai_api")
+FIRST_PARTY = ("queue_schemas", *SHARED, *SERVICES, "infra", "bench", "tests")
+# Libraries that open connections, start loops, serve, or load engines and tokenizers.
+IO_LIBRARIES = {
+    "redis", "aiokafka", "kafka", "boto3", "botocore", "httpx", "aiohttp", "requests", "urllib", "http",
+    "socket", "socketserver", "wsgiref", "asyncio", "threading", "concurrent", "subprocess", "fastapi",
+    "starlette", "sse_starlette", "uvicorn", "prometheus_client", "transformers", "tokenizers",
+    "huggingface_hub", "kubernetes", "vllm", "torch",
+}  # fmt: skip
 
 
 def imported_top_levels(package: str) -> set[str]:
@@ -26,5 +37,12 @@ def test_services_do_not_import_each_other_or_infra(service: str) -> None:
     assert imported_top_levels(service) & forbidden == set()
 
 
-def test_queue_schemas_imports_no_service() -> None:
-    assert imported_top_levels("queue_schemas") & {*SERVICES, "infra"} == set()
+def test_the_contract_imports_no_io_library_and_no_other_sluice_package() -> None:
+    imported = imported_top_levels("queue_schemas")
+    assert imported & IO_LIBRARIES == set()
+    assert imported & (set(FIRST_PARTY) - {"queue_schemas"}) == set()
+
+
+@pytest.mark.parametrize("package", SHARED)
+def test_the_shared_packages_import_no_service(package: str) -> None:
+    assert imported_top_levels(package) & {*SERVICES, "infra", "bench", "tests"} == set()

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from gpu_workers.presence import STALE_FLOOR_S, stale_after_s
 from ingress.streams import channel_of, reader_name
-from queue_schemas.health import Liveness, health_body, item_failed, loop_state, serve_metrics_and_health
+from plumbing.health import Liveness, health_body, item_failed, loop_state, serve_metrics_and_health
 from queue_schemas.names import Names
 from scaler.service import LagReader, Scaler
 

@@ -10,7 +10,7 @@ import pytest
 PROBE = """
 import sys
 import structlog
-from queue_schemas.clients import configure_logging
+from plumbing.clients import configure_logging
 from queue_schemas.settings import BusSettings
 
 configure_logging(BusSettings(log_json=sys.argv[1] == "json"), "probe")

@@ -20,6 +20,7 @@ from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.simulated import SimulatedEngine
 from ingress.relay import events
 from ingress.streams import RESYNC, HubDisconnected
+from plumbing.replay import in_order
 from queue_schemas.codec import encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
@@ -32,7 +33,6 @@ from queue_schemas.messages import (
     TokenChunk,
 )
 from queue_schemas.prefix import block_hashes
-from queue_schemas.replay import in_order
 
 ENGINE = SimulatedEngineConfig(ttft_ms=0, token_ms=0, min_words=10, max_words=10)
 PROMPT = tuple(b"a prompt that is longer than one block of sixteen")

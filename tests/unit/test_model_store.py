@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from queue_schemas.model_store import (
+from plumbing.model_store import (
     ADAPTER_FILES,
     ModelSourceError,
     ModelStore,

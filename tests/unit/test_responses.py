@@ -8,26 +8,26 @@ from typing import Any
 
 import pytest
 
-from queue_schemas.api_errors import InvalidRequest
-from queue_schemas.errors import ErrorCode
-from queue_schemas.messages import ErrorChunk, FinalChunk, FinishReason, StreamEvent, TokenChunk, Usage
-from queue_schemas.openai_types import JsonSchemaResponseFormat, NamedToolChoice
-from queue_schemas.replay import LOG_AFTER_END_MS, log_ttl_ms
-from queue_schemas.response_events import (
-    ResponseEvents,
-    ResponseRecord,
-    replayed,
-    shown_status,
-    unseen,
-)
-from queue_schemas.responses_api import (
+from ingress.responses.api import (
     NOT_SERVED,
     ResponsesRequest,
     as_chat,
     check_served,
     parse_response_id,
 )
-from queue_schemas.structured import ToolCallPlan
+from ingress.responses.events import (
+    ResponseEvents,
+    ResponseRecord,
+    replayed,
+    shown_status,
+    unseen,
+)
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import JsonSchemaResponseFormat, NamedToolChoice
+from openai_api.structured import ToolCallPlan
+from plumbing.replay import LOG_AFTER_END_MS, log_ttl_ms
+from queue_schemas.errors import ErrorCode
+from queue_schemas.messages import ErrorChunk, FinalChunk, FinishReason, StreamEvent, TokenChunk, Usage
 
 RID = "ab" * 16
 

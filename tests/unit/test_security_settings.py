@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from queue_schemas.clients import admin_options, consumer_options, producer_options, redis_security
+from plumbing.clients import admin_options, consumer_options, producer_options, redis_security
 from queue_schemas.settings import BusSettings
 from tests.tls import make_certificates
 

@@ -12,10 +12,10 @@ from jsonschema import validate
 
 from gpu_workers.json_sample import UnsupportedSchema, sample
 from ingress.relay import SseFormatter
-from queue_schemas.api_errors import InvalidRequest
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import ChatCompletionRequest, ResponseShape
+from openai_api.structured import ToolCallPlan, parse_tool_call, plan_output, xgrammar_check
 from queue_schemas.messages import FinalChunk, FinishReason, TokenChunk, Usage
-from queue_schemas.openai_types import ChatCompletionRequest, ResponseShape
-from queue_schemas.structured import ToolCallPlan, parse_tool_call, plan_output, xgrammar_check
 
 WEATHER = {
     "type": "function",

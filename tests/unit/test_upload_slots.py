@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ingress.upload_slots import UploadSlots
-from queue_schemas.api_errors import RateLimited
+from openai_api.errors import RateLimited
 
 
 def test_a_team_past_its_uploads_is_refused_and_others_are_not() -> None:

@@ -7,8 +7,9 @@ import datetime as dt
 import pytest
 
 from infra.usage_cli import parse_since
+from infra.usage_report import aggregate, usage_table
 from queue_schemas.messages import BatchTicket, InferenceRequest, Resume, SamplingParams, Usage
-from queue_schemas.usage import Timing, UsageEvent, UsageStatus, aggregate, usage_event, usage_table
+from queue_schemas.usage import Timing, UsageEvent, UsageStatus, usage_event
 
 
 def request(**over: object) -> InferenceRequest:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from queue_schemas.api_errors import InvalidRequest
+from openai_api.errors import InvalidRequest
 
 T = TypeVar("T")
 CHECK_THREADS = 2

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from queue_schemas.api_errors import InvalidRequest
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import ChatMessage
+from plumbing.model_store import TOKENIZER_FILES, ModelSourceError, ModelStore
 from queue_schemas.config import PoolConfig
-from queue_schemas.model_store import TOKENIZER_FILES, ModelSourceError, ModelStore
-from queue_schemas.openai_types import ChatMessage
 
 ToolDefinitions = Sequence[dict[str, Any]]
 

@@ -1,5 +1,5 @@
 """Reading a batch's input file and writing its result files, a window at a time: the keeper never holds a
-whole file. Input files were checked line by line at upload (queue_schemas.batch_api.FileScan), so a
+whole file. Input files were checked line by line at upload (ingress.batches.api.FileScan), so a
 window of READ_WINDOW bytes always holds at least one whole line (each is at most MAX_LINE_BYTES)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import IO
 
-from queue_schemas.batch_api import MAX_LINE_BYTES, FileRecord, InputLine, request_lines, succeeded
-from queue_schemas.object_store import ObjectStore
+from ingress.batches.api import MAX_LINE_BYTES, FileRecord, InputLine, request_lines, succeeded
+from ingress.batches.object_store import ObjectStore
 
 READ_WINDOW = 2 * MAX_LINE_BYTES + 2
 LINES_PAGE = 1000  # answered lines read from Redis at a time when the result files are written

@@ -2,7 +2,7 @@
 
 The record (`resp:{<request id>}`, in the request's slot) holds what the response object echoes and
 who owns it; the response's output is its request's replay log, read again whenever the response is
-retrieved or its stream resumed (queue_schemas.response_events). Record and log expire at the same
+retrieved or its stream resumed (ingress.responses.events). Record and log expire at the same
 moment: `responses_retain_s` past the request's deadline.
 
 A cancel is one script on the request's keys: it marks the request cancelled (a worker that has not
@@ -18,11 +18,11 @@ import time
 
 import redis.asyncio as aioredis
 
+from ingress.responses.events import ResponseRecord
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk
 from queue_schemas.names import Names
-from queue_schemas.response_events import ResponseRecord
 
 RECORD = "record"
 CANCELLED = "cancelled"

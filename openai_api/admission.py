@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from queue_schemas.api_errors import InvalidRequest
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import GenerationFields
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
-from queue_schemas.openai_types import GenerationFields
 from queue_schemas.prefix import block_hashes, cache_salt
 
 B = TypeVar("B", bound=BaseModel)

@@ -15,9 +15,8 @@ from typing import Any
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
-from queue_schemas.api_errors import InvalidRequest
-from queue_schemas.messages import FinishReason, StructuredOutput, Usage
-from queue_schemas.openai_types import (
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import (
     ChatCompletionRequest,
     JsonObjectFormat,
     JsonSchemaResponseFormat,
@@ -26,6 +25,7 @@ from queue_schemas.openai_types import (
     Tool,
     tool_call_body,
 )
+from queue_schemas.messages import FinishReason, StructuredOutput, Usage
 
 # Returns why the engine cannot compile a schema (serialized), or None when it can.
 CompileCheck = Callable[[str], str | None]

@@ -11,10 +11,10 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from queue_schemas.clients import mget_any
+from plumbing.clients import mget_any
+from plumbing.health import item_failed
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import SchemaError
-from queue_schemas.health import item_failed
 from queue_schemas.messages import Heartbeat, WorkerState
 from queue_schemas.names import Names
 

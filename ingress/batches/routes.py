@@ -2,7 +2,7 @@
 
 A team reaches only its own files and batches: every record is stored under the team that created it
 and looked up under the caller's team, so another team's id is a 404 like an unknown one. The work of a
-batch is done by the ingresses' batch keepers (ingress.batch_keeper); these handlers only record.
+batch is done by the ingresses' batch keepers (ingress.batches.keeper); these handlers only record.
 """
 
 from __future__ import annotations
@@ -19,19 +19,7 @@ from redis.exceptions import RedisError
 from starlette.datastructures import UploadFile
 
 from ingress.auth import Caller, bearer_token
-from ingress.batch_keeper import remove_file, save_file_record, transition
-from ingress.context import IngressContext
-from ingress.routes import Context, Team, body_schema, read_json_body
-from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, RESULT_ROOM, TeamStorage
-from queue_schemas.api_errors import (
-    InsufficientQuota,
-    InvalidRequest,
-    LengthRequired,
-    NotFound,
-    PayloadTooLarge,
-    ServiceUnavailable,
-)
-from queue_schemas.batch_api import (
+from ingress.batches.api import (
     CANCELLABLE,
     COMPLETION_WINDOWS,
     BatchCreate,
@@ -52,9 +40,21 @@ from queue_schemas.batch_api import (
     page,
     scan_file,
 )
-from queue_schemas.clients import mget_any
+from ingress.batches.keeper import remove_file, save_file_record, transition
+from ingress.context import IngressContext
+from ingress.routes import Context, Team, body_schema, read_json_body
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, RESULT_ROOM, TeamStorage
+from openai_api.errors import (
+    InsufficientQuota,
+    InvalidRequest,
+    LengthRequired,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from openai_api.quota_gate import day_budget_left
+from plumbing.clients import mget_any
 from queue_schemas.keys import hash_api_key
-from queue_schemas.quota_gate import day_budget_left
 
 router = APIRouter()
 

@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 import structlog
 from aiokafka import AIOKafkaProducer
 
+from plumbing.clients import BusUnavailable, with_backoff
 from queue_schemas.batch import BatchAnswer
-from queue_schemas.clients import BusUnavailable, with_backoff
 from queue_schemas.codec import encode
 from queue_schemas.messages import DeadLetter
 from queue_schemas.names import Names

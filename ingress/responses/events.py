@@ -1,7 +1,7 @@
 """A stored response, and the Responses API events and objects made from its request's chunks. Pure.
 
 The events of a response are a function of its record and its request's chunks in order (the replay
-log, queue_schemas.replay): `ResponseEvents` numbers them from 0 as it goes, so a client that lost its
+log, plumbing.replay): `ResponseEvents` numbers them from 0 as it goes, so a client that lost its
 connection after event N and asks for the stream again from any ingress is sent the same events from
 N + 1 on, made again from the log and then from the live stream. Nothing per event is stored.
 
@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from openai_api.structured import ToolCallPlan, parse_tool_call
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, FinalChunk, FinishReason, StreamEvent, Usage
-from queue_schemas.structured import ToolCallPlan, parse_tool_call
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed"}

@@ -1,6 +1,6 @@
 """Quota admission: reserve a request's tokens against its team's limits, or refuse with a 429.
 
-The arithmetic is in queue_schemas.quota's Lua scripts, so reservations are atomic across ingress
+The arithmetic is in plumbing.quota's Lua scripts, so reservations are atomic across ingress
 processes. Building headers and errors from a reservation is pure (`rate_limit_headers`, `refusal`).
 """
 
@@ -12,17 +12,10 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from queue_schemas.api_errors import ApiError, InsufficientQuota, RateLimited, ServiceUnavailable
+from openai_api.errors import ApiError, InsufficientQuota, RateLimited, ServiceUnavailable
+from plumbing.quota import RESERVE_SCRIPT, Reservation, Verdict, reserve_keys, seconds_to_refill, utc_day
 from queue_schemas.names import Names
-from queue_schemas.quota import (
-    RESERVE_SCRIPT,
-    Reservation,
-    TeamLimits,
-    Verdict,
-    reserve_keys,
-    seconds_to_refill,
-    utc_day,
-)
+from queue_schemas.teams import TeamLimits
 
 MAX_RETRY_AFTER_S = 120
 DAY_COUNTER_TTL_S = 3 * 24 * 3600

@@ -13,7 +13,7 @@ from typing import Any, BinaryIO, Protocol
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from queue_schemas.model_store import default_s3_client, parse_s3
+from plumbing.model_store import default_s3_client, parse_s3
 
 COPY_PIECE = 1024 * 1024
 

@@ -1,6 +1,6 @@
 """The Responses API: create (streamed or not, in the foreground or the background), retrieve, resume a
 stream, cancel and delete. A request is served as the chat request it maps onto (routes.admit, the same
-queue and engines); its events are made from its request's chunks (queue_schemas.response_events).
+queue and engines); its events are made from its request's chunks (ingress.responses.events).
 
 A foreground stream whose client goes away is cancelled, as a chat stream is. A background response
 runs whether or not anyone reads it; its stream can be read again, from the start or after the last
@@ -24,6 +24,14 @@ from sse_starlette import EventSourceResponse
 from ingress import relay
 from ingress.context import IngressContext
 from ingress.metrics import ACTIVE_STREAMS, REQUESTS
+from ingress.responses.api import ResponsesRequest, as_chat, check_served, parse_response_id
+from ingress.responses.events import (
+    ResponseEvents,
+    ResponseRecord,
+    replayed,
+    shown_status,
+    unseen,
+)
 from ingress.routes import (
     Context,
     Team,
@@ -36,18 +44,10 @@ from ingress.routes import (
 )
 from ingress.streams import RESYNC, HubDisconnected, Subscription
 from ingress.team_caps import TeamStorage
-from queue_schemas.admission import parse_body
-from queue_schemas.api_errors import InvalidRequest, NotFound, ServiceUnavailable, from_bus_error
+from openai_api.admission import parse_body
+from openai_api.errors import InvalidRequest, NotFound, ServiceUnavailable, from_bus_error
+from openai_api.structured import OutputPlan
 from queue_schemas.messages import ErrorChunk, InferenceRequest
-from queue_schemas.response_events import (
-    ResponseEvents,
-    ResponseRecord,
-    replayed,
-    shown_status,
-    unseen,
-)
-from queue_schemas.responses_api import ResponsesRequest, as_chat, check_served, parse_response_id
-from queue_schemas.structured import OutputPlan
 
 router = APIRouter()
 

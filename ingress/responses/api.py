@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from queue_schemas.api_errors import InvalidRequest
-from queue_schemas.openai_types import (
+from openai_api.errors import InvalidRequest
+from openai_api.openai_types import (
     FUNCTION_NAME,
     ChatCompletionRequest,
     ChatMessage,

@@ -1,6 +1,6 @@
 """The back half of /v1/batches, run by every ingress: validates new batches, sends their lines to the
 pools' batch topics, collects the answers into one output line per input line, cancels, expires and
-finalizes. queue_schemas.batch_api holds the decisions; this module holds the loops.
+finalizes. ingress.batches.api holds the decisions; this module holds the loops.
 
 A batch is moved along by whichever ingress holds its lease (a Redis key renewed each round), so a dead
 ingress's batches are picked up by another within `LEASE_MS`. Lines are sent with ids fixed by the
@@ -11,7 +11,7 @@ before its offset is committed, so a collector that dies re-reads answers it may
 is lost or counted twice.
 
 Input files are read a window at a time from the byte offset saved with the cursor, and result files
-written a page at a time (ingress.batch_files), so no batch is held whole in memory. A batch whose step
+written a page at a time (ingress.batches.files), so no batch is held whole in memory. A batch whose step
 raises (other than on a Redis or broker outage, which the round retries) is retried a few rounds, then
 failed with the reason; the other batches go on. A batch whose API key was revoked is cancelled.
 """
@@ -31,11 +31,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from ingress.batch_files import lines_from, read_window, write_results
-from ingress.settings import IngressSettings
-from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps, TeamStorage
-from queue_schemas.batch import BatchAnswer, BatchSubmission, internal_request_id
-from queue_schemas.batch_api import (
+from ingress.batches.api import (
     FileRecord,
     InputLine,
     Status,
@@ -53,14 +49,18 @@ from queue_schemas.batch_api import (
     succeeded,
     validation_errors,
 )
+from ingress.batches.files import lines_from, read_window, write_results
+from ingress.batches.object_store import ObjectStore
+from ingress.settings import IngressSettings
+from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps, TeamStorage
+from plumbing.health import Liveness, item_failed
+from queue_schemas.batch import BatchAnswer, BatchSubmission, internal_request_id
 from queue_schemas.codec import decode, encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.errors import SchemaError
-from queue_schemas.health import Liveness, item_failed
 from queue_schemas.keys import TeamKey
 from queue_schemas.messages import CancelNotice
 from queue_schemas.names import Names
-from queue_schemas.object_store import ObjectStore
 from queue_schemas.signing import load_private_key, new_signing_key, sign_record
 
 log = structlog.get_logger("sluice.ingress.batches")
@@ -228,7 +228,7 @@ class BatchKeeper:
             error=type(exc).__name__, exc_info=exc,
         )  # fmt: skip
         if faults >= STEP_FAULTS:
-            item_failed("ingress.batch_keeper")
+            item_failed("ingress.batches.keeper")
             await self._fail(team, batch_id, f"The batch could not be processed ({type(exc).__name__}).")
 
     async def _fail(self, team: str, batch_id: str, message: str) -> None:
