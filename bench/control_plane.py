@@ -44,8 +44,8 @@ from infra.launcher import (
 )
 from ingress.streams import StreamHub, Subscription
 from plumbing.clients import node_client, redis_client
+from plumbing.protocol.request import CHUNK_SCRIPT, chunk_args
 from plumbing.publisher import PipelinedPublisher
-from plumbing.replay import CHUNK_SCRIPT, chunk_args
 from queue_schemas.messages import TokenChunk
 from queue_schemas.settings import BusSettings
 

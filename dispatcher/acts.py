@@ -15,44 +15,11 @@ from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from plumbing.clients import BusUnavailable
 from plumbing.deadletter import send_dead_letter
+from plumbing.protocol.request import PLACE_SCRIPT, Placed, place_keys
 from queue_schemas.codec import encode
-from queue_schemas.names import INBOX_FIELD, Names
+from queue_schemas.names import INBOX_FIELD
 
 log = structlog.get_logger("sluice.dispatcher")
-
-# KEYS: placement record, cancelled mark, replay log, started mark, answered mark (one request's slot).
-# ARGV: worker id, record ttl ms, lost worker it moves from ('' if new), and for a move, how many chunks
-# the replay log held when the move was decided.
-# Claims the request for the worker: 'placed', then the dispatcher appends it to the worker's inbox (the
-# worker's slot, so a second step). A move goes ahead only while the lost worker still owns the request
-# and its log is as it was read ('changed' otherwise: the log is read again); the new owner fences the
-# old one out of the log. A request already claimed by another worker that has neither started it nor
-# answered it returns 'owned' and that worker: the claim may have been made by a dispatcher that died
-# before the append, so the append is made again (a worker drops a request it already holds).
-PLACE_SCRIPT = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return {'cancelled', ''} end
-local owner = redis.call('GET', KEYS[1])
-if owner and (ARGV[3] == '' or owner ~= ARGV[3]) then
-  if redis.call('GET', KEYS[4]) == owner or redis.call('EXISTS', KEYS[5]) == 1 then
-    return {'duplicate', owner}
-  end
-  return {'owned', owner}
-end
-if ARGV[3] ~= '' and redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return {'changed', ''} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {'placed', ARGV[1]}
-"""
-
-
-def place_keys(names: Names, request_id: str) -> list[str]:
-    """KEYS of PLACE_SCRIPT."""
-    return [
-        names.placement(request_id),
-        names.cancelled(request_id),
-        names.replay(request_id),
-        names.started(request_id),
-        names.answered(request_id),
-    ]
 
 
 class Acts:
@@ -87,8 +54,9 @@ class Acts:
                 logged,
             ],
         )
-        outcome, owner = (_text(part) for part in reply)
-        if outcome not in ("placed", "owned"):
+        text, owner = (_text(part) for part in reply)
+        outcome = Placed(text)
+        if outcome not in (Placed.PLACED, Placed.OWNED):
             return outcome
         await self._redis.xadd(
             names.inbox(owner),
@@ -96,7 +64,7 @@ class Acts:
             maxlen=self.settings.inbox_max_len,
             approximate=True,
         )
-        return "placed" if outcome == "placed" else "redelivered"
+        return Placed.PLACED if outcome is Placed.PLACED else "redelivered"
 
     async def dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
         """Send the record to the dead-letter topic; BusUnavailable if the broker does not take it for

@@ -29,6 +29,7 @@ from openai_api.quota_gate import QuotaGate, day_budget_left
 from openai_api.structured import checked_param, xgrammar_check
 from openai_api.tokenizer import PromptTokenizer
 from plumbing.answers import AnswerSink, Delivery
+from plumbing.protocol.request import served_already
 from plumbing.quota import settle
 from queue_schemas.batch import (
     TEAM_NAME,
@@ -54,16 +55,6 @@ log = structlog.get_logger("sluice.dispatcher.batch")
 DeadLetterFn = Callable[[ConsumerRecord[Any, Any], str], Awaitable[None]]
 QUOTA_STORE_RETRY_S = 1.0
 TEAM_CACHE_S = 10.0
-
-
-def served_already(
-    owner: bytes | str | None, started: bytes | str | None, answered: bytes | str | None
-) -> bool:
-    """Whether a batch record read again needs nothing more, by its request's marks: answered, or
-    started by the worker holding its claim. A claim alone is not enough: a dispatcher that died between
-    claiming and appending to the worker's inbox left a request nobody runs, and placing it again
-    appends it to that worker (the placement script's 'owned')."""
-    return answered is not None or (owner is not None and started == owner)
 
 
 @dataclass(frozen=True)

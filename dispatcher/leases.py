@@ -32,40 +32,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
+from plumbing.protocol.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
+
 log = structlog.get_logger("sluice.dispatcher.leases")
 
 Partition = tuple[str, int]
 PARTITIONS_REFRESH_S = 10.0  # how often the topics' partition lists are read again
-
-# KEYS: members zset. ARGV: this dispatcher, lease ms. Registers it until now + lease and returns the
-# live members, by the server's clock (so hosts' clocks never matter).
-MEMBERS_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 10)
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-# KEYS: lease keys. ARGV: this dispatcher, lease ms, then one action per key: 'renew', 'claim' or
-# 'release'. Returns, per key, 1 if this dispatcher holds it afterwards, else 0.
-LEASE_SCRIPT = """
-local out = {}
-for i, key in ipairs(KEYS) do
-  local action = ARGV[i + 2]
-  local owner = redis.call('GET', key)
-  if action == 'release' then
-    if owner == ARGV[1] then redis.call('DEL', key) end
-    out[i] = 0
-  elseif owner == ARGV[1] or (action == 'claim' and not owner) then
-    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
-    out[i] = 1
-  else
-    out[i] = 0
-  end
-end
-return out
-"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,8 +46,9 @@ from openai_api.tokenizer import PromptTokenizer
 from plumbing.answers import AnswerSink
 from plumbing.clients import BusUnavailable, mget_any
 from plumbing.health import Liveness, item_failed
+from plumbing.protocol.request import CHUNK_SCRIPT, chunk_args
 from plumbing.quota import settle
-from plumbing.replay import CHUNK_SCRIPT, chunk_args, log_ttl_ms, read_log
+from plumbing.replay import log_ttl_ms, read_log
 from plumbing.state import follow_channel
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError

@@ -13,8 +13,9 @@ from redis.exceptions import RedisError
 from openai_api.batch_bodies import completed_answer
 from plumbing.answers import AnswerSink
 from plumbing.clients import with_backoff
+from plumbing.protocol.request import chunk_args
 from plumbing.publisher import PipelinedPublisher
-from plumbing.replay import chunk_args, is_terminal, log_ttl_ms
+from plumbing.replay import is_terminal, log_ttl_ms
 from queue_schemas.batch import BatchAnswer, failed_answer
 from queue_schemas.codec import encode
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk

@@ -12,39 +12,6 @@ from pathlib import Path
 
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import InferenceRequest
-from queue_schemas.names import Names
-
-# KEYS: cancelled mark, placement record, started mark, replay log, stream channel (one request's slot).
-# ARGV: this worker's id, mark ttl ms, and optionally the publish command (PUBLISH or SPUBLISH), the
-# first chunk, its seq and the log's ttl ms.
-# Marks the request started unless it was cancelled, or re-placed on another worker while this one was
-# presumed dead (the dispatcher moves a request only once its owner is gone). The first chunk goes out,
-# and into the replay log, in the same step, so a request that may not start here publishes nothing,
-# and starting costs no round trip of its own.
-BEGIN_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 'cancelled' end
-local owner = redis.call('GET', KEYS[2])
-if owner and owner ~= ARGV[1] then return 'moved' end
-redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
-if ARGV[3] then
-  redis.call('HSET', KEYS[4], ARGV[5], ARGV[4])
-  redis.call('PEXPIRE', KEYS[4], ARGV[6])
-  redis.call(ARGV[3], KEYS[5], ARGV[4])
-end
-return 'ok'
-"""
-
-
-def begin_keys(names: Names, request_id: str) -> list[str]:
-    """KEYS of BEGIN_SCRIPT."""
-    return [
-        names.cancelled(request_id),
-        names.placement(request_id),
-        names.started(request_id),
-        names.replay(request_id),
-        names.stream_channel(request_id),
-    ]
-
 
 STARTED_MARK_TTL_MS = 24 * 3600 * 1000
 FAILED_HEARTBEAT_TTL_MS = 60_000  # a failed worker's last heartbeat stays readable for ops this long

@@ -44,19 +44,14 @@ from gpu_workers.presence import (
     write_state_file,
 )
 from gpu_workers.settings import WorkerSettings
-from gpu_workers.starting import (
-    BEGIN_SCRIPT,
-    STARTED_MARK_TTL_MS,
-    begin_keys,
-    process_started_at,
-    start_refusal,
-)
+from gpu_workers.starting import STARTED_MARK_TTL_MS, process_started_at, start_refusal
 from plumbing.answers import AnswerSink
 from plumbing.clients import BusUnavailable, producer_options
 from plumbing.health import Liveness, item_failed
+from plumbing.protocol.request import BEGIN_SCRIPT, CHUNK_SCRIPT, Begun, begin_keys
 from plumbing.publisher import PipelinedPublisher
 from plumbing.quota import settle
-from plumbing.replay import CHUNK_SCRIPT, log_ttl_ms
+from plumbing.replay import log_ttl_ms
 from plumbing.state import follow_channel, publish_heartbeat
 from queue_schemas.codec import decode, encode
 from queue_schemas.errors import ErrorCode, SchemaError
@@ -484,7 +479,7 @@ class Worker:
             ttl = log_ttl_ms(request.deadline, time.time(), False, request.keep_log_s)
             args += [self.settings.stream_publish, encode(first), first.seq, ttl]
         outcome = await self._begin_script(keys=keys, args=args)
-        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        return Begun(outcome.decode() if isinstance(outcome, bytes) else str(outcome))
 
     async def _settle(self, request: InferenceRequest, used_tokens: int, usage: UsageEvent) -> None:
         TEAM_TOKENS.labels(request.pool, request.team).inc(used_tokens)

@@ -6,6 +6,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from plumbing.protocol.teams import CLAIM_SCRIPT, claim_keys
 from queue_schemas.batch import TEAM_NAME, TOPIC_NAME
 from queue_schemas.keys import TeamKey, hash_api_key, key_id, new_api_key
 from queue_schemas.names import Names
@@ -59,35 +60,6 @@ def overlapping_prefix(wanted: list[str], held: dict[str, str], team: str) -> st
         if any(owner != team and prefixes_overlap(prefix, other) for other, owner in held.items()):
             return prefix
     return None
-
-
-# KEYS: the reply-prefix owners hash (prefix -> team). ARGV: the team, then the prefixes it wants.
-# Returns the first wanted prefix that overlaps (one a prefix of the other) a prefix another team holds,
-# changing nothing; else releases every prefix the team holds, claims the wanted ones and returns ''.
-CLAIM_SCRIPT = """
-local team = ARGV[1]
-local held = redis.call('HGETALL', KEYS[1])
-for i = 2, #ARGV do
-  local want = ARGV[i]
-  for j = 1, #held, 2 do
-    local other = held[j]
-    if held[j + 1] ~= team
-      and (string.sub(want, 1, #other) == other or string.sub(other, 1, #want) == want) then
-      return want
-    end
-  end
-end
-for j = 1, #held, 2 do
-  if held[j + 1] == team then redis.call('HDEL', KEYS[1], held[j]) end
-end
-for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], team) end
-return ''
-"""
-
-
-def claim_keys(names: Names) -> list[str]:
-    """KEYS of CLAIM_SCRIPT."""
-    return [names.reply_prefix_owners()]
 
 
 async def set_reply_prefixes(

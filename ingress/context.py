@@ -25,15 +25,14 @@ from openai_api.errors import ServiceUnavailable
 from openai_api.quota_gate import QuotaGate
 from openai_api.tokenizer import PromptTokenizer
 from plumbing.health import Liveness
+from plumbing.protocol.request import cancel
 from plumbing.quota import settle
 from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
-from queue_schemas.messages import CancelNotice, InferenceRequest, StreamEvent
+from queue_schemas.messages import InferenceRequest, StreamEvent
 
 log = structlog.get_logger("sluice.ingress")
-
-CANCEL_MARK_TTL_MS = 10 * 60 * 1000
 
 
 @dataclass
@@ -79,12 +78,9 @@ class IngressContext:
         task.add_done_callback(self.background.discard)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
-        names = self.settings.names
-        notice = CancelNotice(request_id=request_id, reason=reason, sent_at=time.time())
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(names.cancelled(request_id), reason, px=CANCEL_MARK_TTL_MS)
-                pipe.execute_command("PUBLISH", names.cancel_channel(), encode(notice))  # see publisher.py
+                cancel(pipe, self.settings.names, request_id, reason, time.time())
                 await pipe.execute()
         except RedisError as exc:
             log.warning("cancel notice not sent", request_id=request_id, error=str(exc))

@@ -14,52 +14,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from openai_api.errors import InvalidRequest, ServiceUnavailable
+from plumbing.protocol.batches import GIVE_SCRIPT, RESPONSE_SCRIPT, TAKE_SCRIPT, responses_keys, storage_keys
 from queue_schemas.names import Names
 
-# KEYS: the team's storage hash. ARGV: triples of (field, amount, cap; cap < 0 means none).
-# Adds every amount when each field stays within its cap; else adds nothing and returns the first
-# field that would pass its cap. Returns '' when taken.
-TAKE_SCRIPT = """
-for i = 1, #ARGV, 3 do
-  local cap = tonumber(ARGV[i + 2])
-  local held = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  if cap >= 0 and held + tonumber(ARGV[i + 1]) > cap then return ARGV[i] end
-end
-for i = 1, #ARGV, 3 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return ''
-"""
-
-# KEYS: the team's storage hash. ARGV: pairs of (field, amount). Gives amounts back, never below 0.
-GIVE_SCRIPT = """
-for i = 1, #ARGV, 2 do
-  local left = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') - tonumber(ARGV[i + 1])
-  redis.call('HSET', KEYS[1], ARGV[i], math.max(0, left))
-end
-return 1
-"""
-
-# KEYS: the team's stored responses (sorted by expiry). ARGV: now, cap, response id, its expiry.
-# Drops what expired, then adds the response if the team holds fewer than `cap`. Returns 1 if added.
-RESPONSE_SCRIPT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 1 end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
-redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(ARGV[4])))
-return 1
-"""
-
 FILES, BYTES, BATCHES, BATCH_LINES = "files", "bytes", "batches", "batch_lines"
-
-
-def storage_keys(names: Names, team: str) -> list[str]:
-    """KEYS of TAKE_SCRIPT and GIVE_SCRIPT."""
-    return [names.team_storage(team)]
-
-
-def responses_keys(names: Names, team: str) -> list[str]:
-    """KEYS of RESPONSE_SCRIPT."""
-    return [names.team_responses(team)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from openai_api.errors import ApiError, InsufficientQuota, RateLimited, ServiceUnavailable
-from plumbing.quota import RESERVE_SCRIPT, Reservation, Verdict, reserve_keys, seconds_to_refill, utc_day
+from plumbing.protocol.quota import RESERVE_SCRIPT, Verdict, reserve_keys, utc_day
+from plumbing.quota import Reservation, seconds_to_refill
 from queue_schemas.names import Names
 from queue_schemas.teams import TeamLimits
 

@@ -22,20 +22,6 @@ from queue_schemas.errors import SchemaError
 from queue_schemas.messages import ErrorChunk, FinalChunk, StreamEvent, TokenChunk
 from queue_schemas.names import Names
 
-# KEYS: placement record, replay log, stream channel (one request's slot). ARGV: writer's worker id (''
-# for a dispatcher, not fenced), seq, chunk, log ttl ms, and the publish command: PUBLISH, SPUBLISH (a
-# Redis Cluster's sharded pub/sub) or '' to log without publishing (a batch request's progress).
-# Returns 1, or 0 when the request belongs to another worker now (nothing is written).
-CHUNK_SCRIPT = """
-if ARGV[1] ~= '' then
-  local owner = redis.call('GET', KEYS[1])
-  if owner and owner ~= ARGV[1] then return 0 end
-end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-if ARGV[5] ~= '' then redis.call(ARGV[5], KEYS[3], ARGV[3]) end
-return 1
-"""
 LOG_AFTER_END_MS = 120_000
 MIN_LOG_TTL_MS = 60_000
 
@@ -50,15 +36,6 @@ def log_ttl_ms(deadline: float, now: float, terminal: bool, keep_s: int = 0) -> 
     if terminal:
         return LOG_AFTER_END_MS
     return max(MIN_LOG_TTL_MS, int((deadline - now) * 1000) + LOG_AFTER_END_MS)
-
-
-def chunk_args(
-    names: Names, chunk: StreamEvent, payload: bytes, writer: str, ttl_ms: int, publish: str
-) -> tuple[list[str], list[str | bytes | int]]:
-    """KEYS and ARGV of CHUNK_SCRIPT for one chunk; `publish` is the command ('' to log only)."""
-    rid = chunk.request_id
-    keys = [names.placement(rid), names.replay(rid), names.stream_channel(rid)]
-    return keys, [writer, chunk.seq, payload, ttl_ms, publish]
 
 
 def in_order(raw: dict[bytes, bytes], from_seq: int = 0) -> list[StreamEvent]:

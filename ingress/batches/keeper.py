@@ -54,12 +54,14 @@ from ingress.batches.object_store import ObjectStore
 from ingress.settings import IngressSettings
 from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps, TeamStorage
 from plumbing.health import Liveness, item_failed
+from plumbing.protocol.batches import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
+from plumbing.protocol.leases import LEASE_SCRIPT
+from plumbing.protocol.request import cancel
 from queue_schemas.batch import BatchAnswer, BatchSubmission, internal_request_id
-from queue_schemas.codec import decode, encode
+from queue_schemas.codec import decode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.errors import SchemaError
 from queue_schemas.keys import TeamKey
-from queue_schemas.messages import CancelNotice
 from queue_schemas.names import Names
 from queue_schemas.signing import load_private_key, new_signing_key, sign_record
 
@@ -69,48 +71,10 @@ LEASE_MS = 15_000
 SUBMIT_CHUNK = 500  # lines sent per round per batch, then the cursor is saved
 SERVICE_KEY_TTL_S = 8 * 24 * 3600  # longer than any line waits in a batch topic
 RESULT_LINES_TTL_S = 600  # the collected lines, kept a while after the files are written
-CANCEL_MARK_TTL_MS = 10 * 60 * 1000
 COLLECT_FETCH_WAIT_MS = 500
 STEP_FAULTS = 3  # rounds in a row a batch's step may raise before the batch is failed
 KEEPER_STALE_S = 120.0  # /healthz: a keeper with no finished round for this long is stuck
 SWEEP_PAGE = 100  # expired files removed per round
-
-COLLECT_SCRIPT = """
--- KEYS: the batch's hash, its lines hash (one slot: the team's).
--- ARGV: line number, output line, '1' when the line succeeded.
--- Stores the line's first answer only; returns how many lines have one (-1: no such batch or line,
--- -2: the batch is past collecting).
-local total = tonumber(redis.call('HGET', KEYS[1], 'total') or '-1')
-local line = tonumber(ARGV[1])
-if total < 0 or line >= total then return -1 end
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'in_progress' and status ~= 'cancelling' and status ~= 'validating' then return -2 end
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[1], ARGV[3] == '1' and 'completed' or 'failed', 1)
-end
-return redis.call('HLEN', KEYS[2])
-"""
-
-TRANSITION_SCRIPT = """
--- KEYS: the batch's hash. ARGV: statuses it may be in (comma-separated), the new status, then field /
--- value pairs to set with it. Returns 1 when moved, 0 when the batch was in another status.
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return 0 end
-local allowed = false
-for s in string.gmatch(ARGV[1], '[^,]+') do if s == status then allowed = true end end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-
-
-def collect_keys(names: Names, team: str, batch_id: str) -> list[str]:
-    return [names.batch_record(team, batch_id), names.batch_lines(team, batch_id)]
-
-
-def transition_keys(names: Names, team: str, batch_id: str) -> list[str]:
-    return [names.batch_record(team, batch_id)]
 
 
 async def transition(
@@ -242,15 +206,12 @@ class BatchKeeper:
         await self._retire(team, batch_id)
         self._faults.pop(batch_id, None)
 
-    async def _leased(self, team: str, batch_id: str) -> bool:
+    async def _leased(self, team: str, batch_id: str, action: str = "claim") -> bool:
+        """Whether this keeper holds the batch's lease, claimed if free or renewed if its own, in one
+        script (the dispatchers' partition leases); `action` 'renew' only renews."""
         key = self.names.batch_lease(team, batch_id)
-        if await self.redis.set(key, self.holder, nx=True, px=LEASE_MS):
-            return True
-        holder = await self.redis.get(key)
-        if holder is not None and as_text(holder) == self.holder:
-            await self.redis.pexpire(key, LEASE_MS)
-            return True
-        return False
+        held = await self.redis.eval(LEASE_SCRIPT, 1, key, self.holder, LEASE_MS, action)
+        return bool(held[0])
 
     async def _step(self, team: str, batch_id: str) -> None:
         names = self.names
@@ -456,9 +417,7 @@ class BatchKeeper:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for number in pending[start : start + SUBMIT_CHUNK]:
                     rid = internal_request_id(team, line_request_id(team, batch_id, number))
-                    notice = CancelNotice(request_id=rid, reason="batch cancelled", sent_at=now)
-                    pipe.set(names.cancelled(rid), "batch cancelled", px=CANCEL_MARK_TTL_MS)
-                    pipe.execute_command("PUBLISH", names.cancel_channel(), encode(notice))
+                    cancel(pipe, names, rid, "batch cancelled", now)
                 await pipe.execute()
 
     async def _answer_rest(
@@ -517,7 +476,7 @@ class BatchKeeper:
                 )
             await pipe.execute()
         page.clear()
-        await self.redis.pexpire(self.names.batch_lease(team, batch_id), LEASE_MS)
+        await self._leased(team, batch_id, "renew")
 
     async def _finalize(self, team: str, batch_id: str, fields: dict[str, str]) -> None:
         names = self.names

@@ -19,6 +19,7 @@ import time
 import redis.asyncio as aioredis
 
 from ingress.responses.events import ResponseRecord
+from plumbing.protocol.request import CANCEL_MARK_TTL_MS, CANCEL_SCRIPT, ResponseCancel, cancel_keys
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk
@@ -26,30 +27,6 @@ from queue_schemas.names import Names
 
 RECORD = "record"
 CANCELLED = "cancelled"
-CANCEL_MARK_TTL_MS = 10 * 60 * 1000
-
-# KEYS: response record, cancelled mark, started mark, replay log, stream channel (one request's slot).
-# ARGV: cancel mark ttl ms, the cancelled error chunk, its log ttl ms, the publish command, now.
-# Returns 'ended' when the request had not started (its stream is ended here), else 'running'.
-CANCEL_SCRIPT = """
-redis.call('HSETNX', KEYS[1], 'cancelled', ARGV[5])
-redis.call('SET', KEYS[2], 'response cancelled', 'PX', ARGV[1])
-if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('HLEN', KEYS[4]) == 0 then
-  redis.call('HSET', KEYS[4], '0', ARGV[2])
-  redis.call('PEXPIRE', KEYS[4], ARGV[3])
-  redis.call(ARGV[4], KEYS[5], ARGV[2])
-  return 'ended'
-end
-return 'running'
-"""
-
-
-def cancel_keys(names: Names, request_id: str) -> list[str]:
-    """KEYS of CANCEL_SCRIPT."""
-    return [
-        names.response(request_id), names.cancelled(request_id), names.started(request_id),
-        names.replay(request_id), names.stream_channel(request_id),
-    ]  # fmt: skip
 
 
 class ResponseStore:
@@ -92,7 +69,7 @@ class ResponseStore:
             f"{time.time():.3f}",
         ]
         outcome = await self._cancel(keys=keys, args=args)
-        return outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        return ResponseCancel(outcome.decode() if isinstance(outcome, bytes) else str(outcome))
 
     async def delete(self, request_id: str) -> None:
         await self._redis.delete(self._names.response(request_id), self._names.replay(request_id))

@@ -27,7 +27,7 @@ from redis.crc import key_slot
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key, set_team_limits
 from infra.launcher import slot_ranges
-from plumbing.quota import utc_day
+from plumbing.protocol.quota import utc_day
 from queue_schemas.names import Names
 from queue_schemas.teams import TeamLimits
 from tests.cluster.conftest import with_cluster

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key, set_team_limits
 from infra.models import build_tiny_tokenizer
-from plumbing.quota import utc_day
+from plumbing.protocol.quota import utc_day
 from plumbing.replay import is_terminal, read_log
 from queue_schemas.codec import decode
 from queue_schemas.messages import Heartbeat, StreamEvent

@@ -336,3 +336,20 @@ async def test_a_cancelled_batch_of_many_lines_is_answered_a_page_at_a_time(bus:
         answers = await h.answers("acme", batch_id)
         assert len(answers) == 1200
         assert answers[1199]["custom_id"] == "c1199"
+
+
+async def test_a_batch_lease_is_claimed_renewed_and_never_taken_from_its_holder(
+    bus: Bus, tmp_path: Path
+) -> None:
+    async with harness(bus, tmp_path) as h:
+        keeper = h.keeper
+        key = h.names.batch_lease("acme", "batch_x")
+        assert await keeper._leased("acme", "batch_x")  # free: claimed
+        assert await keeper._leased("acme", "batch_x")  # its own: renewed
+        await h.redis.set(key, "another-keeper", px=60_000)
+        assert not await keeper._leased("acme", "batch_x")
+        assert not await keeper._leased("acme", "batch_x", "renew")
+        assert await h.redis.get(key) == b"another-keeper"
+        await h.redis.delete(key)
+        assert not await keeper._leased("acme", "batch_x", "renew")  # renewing claims nothing
+        assert await keeper._leased("acme", "batch_x")

@@ -12,9 +12,10 @@ from dispatcher.acts import Acts
 from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
-from gpu_workers.starting import BEGIN_SCRIPT, STARTED_MARK_TTL_MS
+from gpu_workers.starting import STARTED_MARK_TTL_MS
 from plumbing.clients import redis_client
-from plumbing.replay import CHUNK_SCRIPT, chunk_args, read_log
+from plumbing.protocol.request import BEGIN_SCRIPT, CHUNK_SCRIPT, chunk_args
+from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.messages import TokenChunk
 from tests.conftest import Bus

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from openai_api.errors import InsufficientQuota, RateLimited
 from openai_api.quota_gate import QuotaGate
 from plumbing.clients import redis_client
-from plumbing.quota import settle, utc_day
+from plumbing.protocol.quota import utc_day
+from plumbing.quota import settle
 from queue_schemas.names import Names
 from queue_schemas.teams import TeamLimits
 from tests.conftest import Bus

@@ -9,7 +9,8 @@ import itertools
 import pytest
 import redis.asyncio as aioredis
 
-from infra.keys import CLAIM_SCRIPT, claim_keys, create_key, overlapping_prefix, set_reply_prefixes
+from infra.keys import create_key, overlapping_prefix, set_reply_prefixes
+from plumbing.protocol.teams import CLAIM_SCRIPT, claim_keys
 from queue_schemas.names import Names
 from queue_schemas.teams import TeamRecord
 from tests.conftest import Bus

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as aioredis
 
-from gpu_workers.starting import BEGIN_SCRIPT, STARTED_MARK_TTL_MS, begin_keys
+from gpu_workers.starting import STARTED_MARK_TTL_MS
 from ingress.responses.events import ResponseRecord
 from ingress.responses.store import ResponseStore
 from plumbing.clients import redis_client
+from plumbing.protocol.request import BEGIN_SCRIPT, begin_keys
 from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode

@@ -15,7 +15,8 @@ from infra.usage_cli import read_usage
 from ingress.usage_relay import RELAY_GROUP, UsageRelay
 from openai_api.quota_gate import QuotaGate
 from plumbing.clients import producer_options, redis_client
-from plumbing.quota import settle, utc_day
+from plumbing.protocol.quota import utc_day
+from plumbing.quota import settle
 from queue_schemas.messages import InferenceRequest, SamplingParams, Usage
 from queue_schemas.settings import BusSettings
 from queue_schemas.teams import TeamLimits

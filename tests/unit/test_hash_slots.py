@@ -2,27 +2,51 @@
 
 from __future__ import annotations
 
-import ast
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 from redis.crc import key_slot
 
-from dispatcher.acts import PLACE_SCRIPT, place_keys
-from dispatcher.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
-from gpu_workers.starting import BEGIN_SCRIPT, begin_keys
-from infra.keys import CLAIM_SCRIPT, claim_keys
-from ingress.batches.keeper import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
-from ingress.responses.store import CANCEL_SCRIPT, cancel_keys
-from ingress.team_caps import GIVE_SCRIPT, RESPONSE_SCRIPT, TAKE_SCRIPT, responses_keys, storage_keys
-from plumbing.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
-from plumbing.replay import CHUNK_SCRIPT, chunk_args
+from plumbing.protocol.batches import (
+    COLLECT_SCRIPT,
+    GIVE_SCRIPT,
+    RESPONSE_SCRIPT,
+    TAKE_SCRIPT,
+    TRANSITION_SCRIPT,
+    collect_keys,
+    responses_keys,
+    storage_keys,
+    transition_keys,
+)
+from plumbing.protocol.leases import LEASE_SCRIPT, MEMBERS_SCRIPT
+from plumbing.protocol.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys, settle_keys
+from plumbing.protocol.request import (
+    BEGIN_SCRIPT,
+    CANCEL_SCRIPT,
+    CHUNK_SCRIPT,
+    PLACE_SCRIPT,
+    begin_keys,
+    cancel_keys,
+    chunk_args,
+    place_keys,
+)
+from plumbing.protocol.teams import CLAIM_SCRIPT, claim_keys
 from queue_schemas.messages import TokenChunk
 from queue_schemas.names import Names
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("ingress", "dispatcher", "gpu_workers", "scaler", "queue_schemas", "plumbing", "openai_api", "infra")
+PACKAGES = (
+    "ingress",
+    "dispatcher",
+    "gpu_workers",
+    "scaler",
+    "queue_schemas",
+    "plumbing",
+    "openai_api",
+    "infra",
+)
 NAMES = Names("sluice")
 IDS = ("req-0001", "a1b2c3d4e5f6a7b8c9d0", "team-alpha", "chat-pool-1", "pool_odd_1")
 
@@ -64,14 +88,13 @@ def test_every_scripts_keys_share_one_slot(ident: str) -> None:
 
 
 def test_every_script_in_the_code_is_checked_here() -> None:
+    """Scripts live only in plumbing.protocol (tests/unit/test_layout.py); each one is checked here."""
     found = set()
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-                    value = node.value.value
-                    if isinstance(value, str) and "redis.call(" in value:
-                        found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for path in (ROOT / "plumbing" / "protocol").glob("*.py"):
+        module = importlib.import_module(f"plumbing.protocol.{path.stem}")
+        found |= {
+            name for name, value in vars(module).items() if isinstance(value, str) and "redis.call(" in value
+        }
     assert found == set(script_keys("req-0001"))
 
 

@@ -1,5 +1,5 @@
-from dispatcher.batch_desk import served_already
 from dispatcher.hold import FairQueue, Held, Hold, team_weights
+from plumbing.protocol.request import served_already
 from queue_schemas.messages import InferenceRequest, Priority, SamplingParams, Tier
 from queue_schemas.teams import TeamRecord
 

@@ -46,3 +46,20 @@ def test_the_contract_imports_no_io_library_and_no_other_sluice_package() -> Non
 @pytest.mark.parametrize("package", SHARED)
 def test_the_shared_packages_import_no_service(package: str) -> None:
     assert imported_top_levels(package) & {*SERVICES, "infra", "bench", "tests"} == set()
+
+
+def test_no_module_outside_the_protocol_package_defines_a_lua_script() -> None:
+    protocol = ROOT / "plumbing" / "protocol"
+    outside = []
+    for package in set(FIRST_PARTY) - {"tests"}:
+        for path in (ROOT / package).rglob("*.py"):
+            if path.is_relative_to(protocol):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and "redis.call(" in node.value
+                ):
+                    outside.append(str(path.relative_to(ROOT)))
+    assert outside == []

@@ -1,0 +1,184 @@
+"""One request's life in Redis: claiming it for a worker, starting it there, writing its chunks, and
+cancelling a stored response. Every key is in the request's hash slot."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from redis.asyncio.client import Pipeline
+
+from queue_schemas.codec import encode
+from queue_schemas.messages import CancelNotice, StreamEvent
+from queue_schemas.names import Names
+
+CANCEL_MARK_TTL_MS = 10 * 60 * 1000  # a cancelled mark outlives any request's wait for a worker
+
+
+class Placed(StrEnum):
+    """What PLACE_SCRIPT found."""
+
+    PLACED = "placed"  # claimed for the worker
+    OWNED = "owned"  # claimed before by a worker that has neither started nor answered it
+    DUPLICATE = "duplicate"  # served already (see `served_already`)
+    CANCELLED = "cancelled"
+    CHANGED = "changed"  # a move whose replay log grew since it was read
+
+
+class Begun(StrEnum):
+    """What BEGIN_SCRIPT found."""
+
+    OK = "ok"
+    CANCELLED = "cancelled"
+    MOVED = "moved"  # placed on another worker while this one was presumed dead
+
+
+class ResponseCancel(StrEnum):
+    """What CANCEL_SCRIPT did to a stored response's request."""
+
+    ENDED = "ended"  # it had not started: its stream was ended here
+    RUNNING = "running"  # its worker ends it on the cancelled mark
+
+
+def served_already(
+    owner: bytes | str | None, started: bytes | str | None, answered: bytes | str | None
+) -> bool:
+    """Whether a request needs nothing more, by its marks: answered, or started by the worker holding its
+    claim. A claim alone is not enough: a dispatcher that died between claiming and appending to the
+    worker's inbox left a request nobody runs. SERVED_ALREADY is the same rule inside a script."""
+    return answered is not None or (owner is not None and _text(started) == _text(owner))
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def served_already_lua(owner: str, started: str, answered: str) -> str:
+    """`served_already` as a Lua condition, given the owner's value and the keys of the two marks."""
+    return f"(({owner} and redis.call('GET', {started}) == {owner}) or redis.call('EXISTS', {answered}) == 1)"
+
+
+def fenced_out_lua(placement: str, writer: str) -> str:
+    """A Lua condition: the request's placement names a worker other than `writer`, so `writer` may no
+    longer start it or write its stream (the owner fence)."""
+    return f"(function() local o = redis.call('GET', {placement}) return o and o ~= {writer} end)()"
+
+
+# KEYS: placement record, cancelled mark, replay log, started mark, answered mark (one request's slot).
+# ARGV: worker id, record ttl ms, lost worker it moves from ('' if new), and for a move, how many chunks
+# the replay log held when the move was decided.
+# Claims the request for the worker: 'placed', then the dispatcher appends it to the worker's inbox (the
+# worker's slot, so a second step). A move goes ahead only while the lost worker still owns the request
+# and its log is as it was read ('changed' otherwise: the log is read again); the new owner fences the
+# old one out of the log. A request already claimed by another worker that has neither started it nor
+# answered it returns 'owned' and that worker: the claim may have been made by a dispatcher that died
+# before the append, so the append is made again (a worker drops a request it already holds). A request
+# served already (`served_already`: answered, or started by its owner) is a 'duplicate', unless it is
+# being moved off that owner.
+PLACE_SCRIPT = f"""
+if redis.call('EXISTS', KEYS[2]) == 1 then return {{'cancelled', ''}} end
+local owner = redis.call('GET', KEYS[1])
+if ARGV[3] == '' or owner ~= ARGV[3] then
+  if {served_already_lua("owner", "KEYS[4]", "KEYS[5]")} then return {{'duplicate', owner or ''}} end
+  if owner then return {{'owned', owner}} end
+end
+if ARGV[3] ~= '' and redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return {{'changed', ''}} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {{'placed', ARGV[1]}}
+"""
+
+
+def place_keys(names: Names, request_id: str) -> list[str]:
+    """KEYS of PLACE_SCRIPT."""
+    return [
+        names.placement(request_id),
+        names.cancelled(request_id),
+        names.replay(request_id),
+        names.started(request_id),
+        names.answered(request_id),
+    ]
+
+
+# KEYS: cancelled mark, placement record, started mark, replay log, stream channel (one request's slot).
+# ARGV: this worker's id, mark ttl ms, and optionally the publish command (PUBLISH or SPUBLISH), the
+# first chunk, its seq and the log's ttl ms.
+# Marks the request started unless it was cancelled, or re-placed on another worker while this one was
+# presumed dead (the dispatcher moves a request only once its owner is gone). The first chunk goes out,
+# and into the replay log, in the same step, so a request that may not start here publishes nothing,
+# and starting costs no round trip of its own.
+BEGIN_SCRIPT = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 'cancelled' end
+if {fenced_out_lua("KEYS[2]", "ARGV[1]")} then return 'moved' end
+redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+if ARGV[3] then
+  redis.call('HSET', KEYS[4], ARGV[5], ARGV[4])
+  redis.call('PEXPIRE', KEYS[4], ARGV[6])
+  redis.call(ARGV[3], KEYS[5], ARGV[4])
+end
+return 'ok'
+"""
+
+
+def begin_keys(names: Names, request_id: str) -> list[str]:
+    """KEYS of BEGIN_SCRIPT."""
+    return [
+        names.cancelled(request_id),
+        names.placement(request_id),
+        names.started(request_id),
+        names.replay(request_id),
+        names.stream_channel(request_id),
+    ]
+
+
+# KEYS: placement record, replay log, stream channel (one request's slot). ARGV: writer's worker id (''
+# for a dispatcher, not fenced), seq, chunk, log ttl ms, and the publish command: PUBLISH, SPUBLISH (a
+# Redis Cluster's sharded pub/sub) or '' to log without publishing (a batch request's progress).
+# Returns 1, or 0 when the request belongs to another worker now (nothing is written).
+CHUNK_SCRIPT = f"""
+if ARGV[1] ~= '' and {fenced_out_lua("KEYS[1]", "ARGV[1]")} then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+if ARGV[5] ~= '' then redis.call(ARGV[5], KEYS[3], ARGV[3]) end
+return 1
+"""
+
+
+def chunk_args(
+    names: Names, chunk: StreamEvent, payload: bytes, writer: str, ttl_ms: int, publish: str
+) -> tuple[list[str], list[str | bytes | int]]:
+    """KEYS and ARGV of CHUNK_SCRIPT for one chunk; `publish` is the command ('' to log only)."""
+    rid = chunk.request_id
+    keys = [names.placement(rid), names.replay(rid), names.stream_channel(rid)]
+    return keys, [writer, chunk.seq, payload, ttl_ms, publish]
+
+
+# KEYS: response record, cancelled mark, started mark, replay log, stream channel (one request's slot).
+# ARGV: cancel mark ttl ms, the cancelled error chunk, its log ttl ms, the publish command, now.
+# Returns 'ended' when the request had not started (its stream is ended here), else 'running'.
+CANCEL_SCRIPT = """
+redis.call('HSETNX', KEYS[1], 'cancelled', ARGV[5])
+redis.call('SET', KEYS[2], 'response cancelled', 'PX', ARGV[1])
+if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('HLEN', KEYS[4]) == 0 then
+  redis.call('HSET', KEYS[4], '0', ARGV[2])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+  redis.call(ARGV[4], KEYS[5], ARGV[2])
+  return 'ended'
+end
+return 'running'
+"""
+
+
+def cancel_keys(names: Names, request_id: str) -> list[str]:
+    """KEYS of CANCEL_SCRIPT."""
+    return [
+        names.response(request_id), names.cancelled(request_id), names.started(request_id),
+        names.replay(request_id), names.stream_channel(request_id),
+    ]  # fmt: skip
+
+
+def cancel(pipe: Pipeline, names: Names, request_id: str, reason: str, now: float) -> None:
+    """Queue on `pipe` what cancels a request wherever it is: its cancelled mark (read by the placement
+    and start scripts, so it never starts later) and a notice on the cancel channel (for a dispatcher
+    holding it or a worker running it). The one writer of the mark beside CANCEL_SCRIPT."""
+    notice = CancelNotice(request_id=request_id, reason=reason, sent_at=now)
+    pipe.set(names.cancelled(request_id), reason, px=CANCEL_MARK_TTL_MS)
+    pipe.execute_command("PUBLISH", names.cancel_channel(), encode(notice))  # see plumbing/publisher.py
