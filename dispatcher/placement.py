@@ -2,33 +2,31 @@
 
 Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
 expected output after a reserve, queue under its depth; batch requests also leave spare KV blocks and
-running slots), then a weighted sum of clamped terms: prefix match ratio, KV headroom after placement,
-queue depth relative to the other candidates, and whether the worker holds the request's LoRA adapter.
-Ties are broken at random.
+running slots), then the weighted sum of the registered scorers (dispatcher.scorers: prefix match
+ratio, KV headroom after placement, queue depth relative to the other candidates, whether the worker
+holds the request's LoRA adapter). Ties are broken at random.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import numpy as np
+
+from dispatcher.scorers import Candidates, default_weights, weighted_sum
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 
 @dataclass(frozen=True, slots=True)
 class PlacementPolicy:
-    """Weights: llm-d's published defaults (prefix 3, KV 2, queue 2), with the prefix weight raised to 5 by
-    the fleet simulator (`python -m bench.sim`: shorter multi-turn TTFT, nothing else changed)."""
+    """`weights`: each registered scorer's weight (dispatcher.scorers; each scorer's module says where its
+    default comes from)."""
 
-    prefix_weight: float = 5.0
-    kv_weight: float = 2.0
-    queue_weight: float = 2.0
-    # A request for a LoRA adapter scores this on a worker that holds the adapter (one that does not
-    # must load it first).
-    adapter_weight: float = 3.0
+    weights: Mapping[str, float] = field(default_factory=default_weights)
     kv_reserve_fraction: float = 0.05
     max_queue: int = 64
     expected_output_tokens: int = 256
@@ -172,21 +170,41 @@ def waits_for_affinity(
     return extra >= policy.spill_tokens and demand.waited_s < policy.spill_after_s
 
 
+def holds_adapter(worker: WorkerSnapshot, demand: Demand) -> bool:
+    return demand.adapter is None or demand.adapter in worker.heartbeat.adapters
+
+
+def candidates(workers: Sequence[WorkerSnapshot], demand: Demand, policy: PlacementPolicy) -> Candidates:
+    """What the scorers see of `workers`, all of which can take the request."""
+    prompt_blocks = len(demand.block_hashes)
+    queues = [float(w.queue) for w in workers]
+    return Candidates(
+        prefix_ratio=np.array([w.matched_blocks / prompt_blocks if prompt_blocks else 0.0 for w in workers]),
+        headroom=np.array(
+            [
+                headroom_after(w, blocks_needed(demand, w.matched_blocks, w.heartbeat.block_size, policy))
+                for w in workers
+            ]
+        ),
+        queue=np.array(queues),
+        queue_lo=min(queues, default=0.0),
+        queue_hi=max(queues, default=0.0),
+        adapter_held=np.array(
+            [
+                1.0 if demand.adapter is None or demand.adapter in w.heartbeat.adapters else 0.0
+                for w in workers
+            ]
+        ),
+    )
+
+
 def score(
     worker: WorkerSnapshot, demand: Demand, queue_min: int, queue_max: int, policy: PlacementPolicy
 ) -> float:
-    prompt_blocks = len(demand.block_hashes)
-    prefix = worker.matched_blocks / prompt_blocks if prompt_blocks else 0.0
-    needed = blocks_needed(demand, worker.matched_blocks, worker.heartbeat.block_size, policy)
-    kv = min(1.0, max(0.0, headroom_after(worker, needed)))
-    queue = 1.0 if queue_max == queue_min else (queue_max - worker.queue) / (queue_max - queue_min)
-    adapter = 1.0 if demand.adapter is None or demand.adapter in worker.heartbeat.adapters else 0.0
-    return (
-        policy.prefix_weight * prefix
-        + policy.kv_weight * kv
-        + policy.queue_weight * queue
-        + policy.adapter_weight * adapter
-    )
+    """The worker's score when the queues of the workers that fit run from `queue_min` to `queue_max`."""
+    one = candidates([worker], demand, policy)
+    one = replace(one, queue_lo=float(queue_min), queue_hi=float(queue_max))
+    return float(weighted_sum(one, policy.weights)[0])
 
 
 def choose(
@@ -207,11 +225,9 @@ def choose(
     best_fit = max(w.matched_blocks for w in fit)
     if busy and waits_for_affinity(best_fit, max(busy), fit[0].heartbeat.block_size, demand, policy):
         return Decision(None, reason=AFFINITY_REASON)
-    queues = [w.queue for w in fit]
-    lo, hi = min(queues), max(queues)
-    scored = [(score(w, demand, lo, hi, policy), w) for w in fit]
-    best = max(s for s, _ in scored)
-    winner = rng.choice([w for s, w in scored if s >= best - 1e-9])
+    scores = weighted_sum(candidates(fit, demand, policy), policy.weights)
+    best = scores.max()
+    winner = rng.choice([w for s, w in zip(scores, fit, strict=True) if s >= best - 1e-9])
     needed = blocks_needed(demand, winner.matched_blocks, winner.heartbeat.block_size, policy)
     return Decision(winner.worker_id, winner.matched_blocks, needed)
 

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dispatcher.placement import PlacementPolicy
+from dispatcher.scorers import default_weights, weights_problem
 from queue_schemas.settings import BusSettings
 
 
@@ -38,13 +39,15 @@ class DispatcherSettings(BusSettings):
     inbox_max_len: int = Field(default=100_000, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535, description="0 disables the /metrics listener")
     metrics_host: str = Field(default="127.0.0.1", description="0.0.0.0 where Prometheus scrapes pods")
-    # Placement policy (dispatcher.placement.PlacementPolicy): llm-d's weights, the prefix one raised to 5.
+    # Placement policy (dispatcher.placement.PlacementPolicy).
     placement: Literal["scored", "least-loaded"] = Field(
         default="scored", description="`least-loaded` is the baseline, kept for comparisons"
     )
-    prefix_weight: float = Field(default=5.0, ge=0)
-    kv_weight: float = Field(default=2.0, ge=0)
-    queue_weight: float = Field(default=2.0, ge=0)
+    scorer_weights: dict[str, float] = Field(
+        default_factory=default_weights,
+        description="the weight of each placement scorer (dispatcher.scorers), as JSON; "
+        "names left out keep their default weight",
+    )
     kv_reserve_fraction: float = Field(default=0.05, ge=0, lt=1)
     max_queue: int = Field(
         default=64, gt=0, description="the most requests queued at a worker (the fixed depth)"
@@ -64,11 +67,17 @@ class DispatcherSettings(BusSettings):
     )
     spill_after_s: float = Field(default=5.0, ge=0, description="how long a request holds out for its prefix")
 
+    @field_validator("scorer_weights")
+    @classmethod
+    def _known_scorers(cls, weights: dict[str, float]) -> dict[str, float]:
+        problem = weights_problem(weights)
+        if problem is not None:
+            raise ValueError(problem)
+        return weights
+
     def policy(self) -> PlacementPolicy:
         return PlacementPolicy(
-            prefix_weight=self.prefix_weight,
-            kv_weight=self.kv_weight,
-            queue_weight=self.queue_weight,
+            weights={**default_weights(), **self.scorer_weights},
             kv_reserve_fraction=self.kv_reserve_fraction,
             max_queue=self.max_queue,
             queue_depth=self.queue_depth,

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from dispatcher.placement import AFFINITY_REASON, Decision, Demand, PlacementPolicy, waits_for_affinity
+from dispatcher.placement import (
+    AFFINITY_REASON,
+    Decision,
+    Demand,
+    PlacementPolicy,
+    WorkerSnapshot,
+    waits_for_affinity,
+)
+from dispatcher.scorers import Candidates, Floats, weighted_sum
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
-
-Floats = npt.NDArray[np.float64]
 
 COLUMNS = (
     "fresh_until",
@@ -158,19 +165,31 @@ def choose_fast(
             return Decision(None, reason=AFFINITY_REASON)
 
     prompt_blocks = len(demand.block_hashes)
-    prefix = matched / prompt_blocks if prompt_blocks else np.zeros(len(table))
-    kv = np.clip(after, 0.0, 1.0)
-    lo, hi = queue[fit].min(), queue[fit].max()
-    queue_term = np.ones(len(table)) if hi == lo else (hi - queue) / (hi - lo)
-    adapter = np.ones(len(table)) if demand.adapter is None or adapter_held is None else adapter_held
-    score = (
-        policy.prefix_weight * prefix
-        + policy.kv_weight * kv
-        + policy.queue_weight * queue_term
-        + policy.adapter_weight * adapter
+    terms = Candidates(
+        prefix_ratio=matched / prompt_blocks if prompt_blocks else np.zeros(len(table)),
+        headroom=after,
+        queue=queue,
+        queue_lo=float(queue[fit].min()),
+        queue_hi=float(queue[fit].max()),
+        adapter_held=np.ones(len(table)) if demand.adapter is None or adapter_held is None else adapter_held,
     )
-    score = np.where(fit, score, -np.inf)
+    score = np.where(fit, weighted_sum(terms, policy.weights), -np.inf)
     best = score.max()
     winners = np.flatnonzero(score >= best - 1e-9)
     i = int(winners[rng.randrange(len(winners))])
     return Decision(table.ids[i], int(matched[i]), int(needed[i]))
+
+
+def choose_over(
+    workers: Sequence[WorkerSnapshot], demand: Demand, now: float, policy: PlacementPolicy, rng: random.Random
+) -> Decision:
+    """`choose_fast` over snapshots (a table built for this decision): what the dispatcher runs, for a
+    caller holding snapshots, such as the simulator's decode-side placement."""
+    table = WorkerTable(max(1, len(workers)))
+    for w in workers:
+        table.upsert(w.heartbeat, w.in_flight, w.in_flight_blocks)
+    matched = np.array([float(w.matched_blocks) for w in workers])
+    held = None
+    if demand.adapter is not None:
+        held = np.array([1.0 if demand.adapter in w.heartbeat.adapters else 0.0 for w in workers])
+    return choose_fast(table, matched, demand, now, policy, rng, held)

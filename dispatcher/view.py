@@ -15,7 +15,8 @@ import structlog
 from dispatcher.disagg import PrefillSide
 from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
-from dispatcher.table import Floats, WorkerTable, choose_fast
+from dispatcher.scorers import Floats
+from dispatcher.table import WorkerTable, choose_fast
 from plumbing.clients import xread_any
 from plumbing.state import read_heartbeats
 from queue_schemas.codec import decode

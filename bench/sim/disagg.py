@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation in the fleet simulator: a fixed fleet of `gpus` replicas, some of them
 prefill-only, the rest decode workers, and a split policy deciding per request.
 
-Every policy gets the same decode-side placement (`dispatcher.placement.choose`, the dispatcher's rules,
+Every policy gets the same decode-side placement (`dispatcher.table.choose_over`, what the dispatcher runs,
 over exact replica state) and the same prefill-worker choice (`dispatcher.disagg.choose_prefill`); only
 the split decision differs:
 
@@ -35,7 +35,8 @@ from bench.sim.metrics import ITL_SLO_S, TTFT_SLO_S, Sketch
 from bench.sim.routers import heartbeat
 from bench.sim.workloads import Workload, bursty_code, multi_turn, shared_prefix
 from dispatcher.disagg import PrefillSide, SplitCase, choose_prefill, decide_split
-from dispatcher.placement import Demand, PlacementPolicy, WorkerSnapshot, choose, least_loaded
+from dispatcher.placement import Demand, PlacementPolicy, WorkerSnapshot, least_loaded
+from dispatcher.table import choose_over
 from queue_schemas.config import DisaggregationConfig
 
 ARRIVAL, REPLICA, HANDOFF = 0, 1, 2
@@ -180,7 +181,7 @@ class SplitFleet:
     def _choose_decode(self, request: Request, now: float) -> Replica:
         snapshots = [self._snapshot(r, request, now) for r in self.decode]
         demand = Demand(request.prompt_tokens, request.blocks, request.max_tokens or 256)
-        decision = choose(snapshots, demand, now, self.policy, self.rng)
+        decision = choose_over(snapshots, demand, now, self.policy, self.rng)
         worker = decision.worker_id or least_loaded(snapshots, now, self.rng)
         assert worker is not None
         return self.by_index[int(worker[1:])]

@@ -22,6 +22,7 @@ import numpy as np
 from bench.sim.engine import Request, leading_cached
 from bench.sim.views import ReplicaView
 from dispatcher.placement import Demand, PlacementPolicy
+from dispatcher.scorers import default_weights
 from dispatcher.table import WorkerTable, choose_fast
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
@@ -343,7 +344,9 @@ def make_router(name: str, seed: int, policy: PlacementPolicy | None = None) -> 
         # the shared-prefix workload; docs/benchmarks.md).
         "dynamo-tuned": DynamoRouter(rng, prefill_load_scale=8.0, queue_threshold=None),
         # For LoRA workloads: sluice with the adapter term off, and llm-d with the lora-affinity-scorer.
-        "sluice-adapter-blind": SluiceRouter(PlacementPolicy(adapter_weight=0.0), rng),
+        "sluice-adapter-blind": SluiceRouter(
+            PlacementPolicy(weights={**default_weights(), "adapter": 0.0}), rng
+        ),
         "llm-d-lora": LlmdRouter(rng, lora_weight=4.0),
     }
     return routers[name]
