@@ -92,7 +92,7 @@ class BatchDesk:
         self.answers = answers
         self.quota = QuotaGate(redis, names)
         self._dead_letter = dead_letter
-        self._compile_check = xgrammar_check if pool.engine == "vllm" else None
+        self._compile_check = xgrammar_check if pool.kind.compiles_schemas else None
         self.checks = CheckRunner()
         self._teams: dict[str, tuple[float, TeamRecord]] = {}  # team -> (trusted until, record)
 

@@ -42,7 +42,23 @@ class EngineStats:
 
 
 class EngineError(Exception):
-    """The engine failed on one request; the worker reports it to that request's client."""
+    """Something the engine could not do. The worker reports a failure during a request to that request's
+    client (`engine_error`); the subclasses say which kind it is."""
+
+
+class RequestFailed(EngineError):
+    """This request alone failed (refused parameters, a prompt over the model's length, an unknown
+    adapter); the engine goes on serving others."""
+
+
+class StartFailed(EngineError):
+    """The engine could not start: the model or its adapters are missing, the configuration does not fit
+    the engine, or the engine itself failed to load. The worker reports itself failed and exits."""
+
+
+class EngineDead(EngineError):
+    """The engine died while serving: this request and every one after it fail until the worker is
+    replaced."""
 
 
 class Engine(Protocol):

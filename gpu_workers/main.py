@@ -9,23 +9,13 @@ import uvloop
 from redis.asyncio import Redis
 
 from gpu_workers.engine import Engine
+from gpu_workers.engines import build_engine
 from gpu_workers.prefill import HandoffDesk
 from gpu_workers.settings import WorkerSettings
-from gpu_workers.simulated import SimulatedEngine
 from gpu_workers.worker import Worker
 from plumbing.clients import configure_logging, redis_client
 from plumbing.health import Liveness, serve_metrics_and_health
-from plumbing.model_store import ModelStore
 from queue_schemas.config import ConfigError, PoolConfig
-
-
-def build_engine(pool: PoolConfig, settings: WorkerSettings) -> Engine:
-    if pool.engine == "simulated":
-        config = pool.simulated.model_copy(update={"max_running": pool.engine_slots})
-        return SimulatedEngine(config, pool.block_size, pool.max_loras)
-    from gpu_workers.vllm_engine import VllmEngine
-
-    return VllmEngine(pool, ModelStore(settings.model_cache_dir), settings.spec_decoding, settings.role)
 
 
 def handoff_desk(
@@ -34,7 +24,7 @@ def handoff_desk(
     """The worker's side of prefill/decode handoffs, in a pool that splits requests."""
     if not pool.splits or pool.disaggregation is None:
         return None
-    storage = pool.vllm.handoff_storage if pool.vllm is not None and pool.engine == "vllm" else None
+    storage = pool.vllm.handoff_storage if pool.vllm is not None and pool.kind.vllm_section else None
     return HandoffDesk(
         redis, settings.names, engine, settings.worker_id, pool.name, pool.block_size, storage,
         pool.disaggregation.kv_ttl_s,

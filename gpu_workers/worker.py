@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
-from gpu_workers.engine import EarlyStart, Engine, EngineError
+from gpu_workers.engine import EarlyStart, Engine, EngineError, RequestFailed
 from gpu_workers.handoff import KvTransfer
 from gpu_workers.inbox import Entry, Inbox
 from gpu_workers.kv_publisher import KvPublisher
@@ -443,7 +443,7 @@ class Worker:
         try:
             first = await anext(pieces, None)
             if first is None:
-                raise EngineError("the engine ended the request without output")
+                raise RequestFailed("the engine ended the request without output")
             out.timing = replace(out.timing, first_token=time.time())
         except EngineError:
             outcome = await self._begin(request)

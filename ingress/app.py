@@ -40,7 +40,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
     store = ModelStore(settings.model_cache_dir)
     log.info("loading tokenizers", pools=[p.name for p in pools.pools])
     tokenizers = {pool.name: tokenizer_for(pool, store) for pool in pools.pools}
-    if any(pool.engine == "vllm" for pool in pools.pools) and not preload_schema_compiler():
+    if any(pool.kind.compiles_schemas for pool in pools.pools) and not preload_schema_compiler():
         log.warning("vLLM's schema compiler is not installed; refused schemas show up as engine errors")
 
     @asynccontextmanager

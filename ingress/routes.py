@@ -178,7 +178,7 @@ async def prepare_chat(
         return tokenizer.encode_chat(messages, tools)
 
     prompt_ids = await encode_off_loop(encode, body.messages, size)
-    compile_check = xgrammar_check if pool.engine == "vllm" else None
+    compile_check = xgrammar_check if pool.kind.compiles_schemas else None
     call_id = f"call_{secrets.token_hex(12)}"
 
     async def plan() -> OutputPlan:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
+from queue_schemas.engines import EngineKind, EngineName, engine_kind
 from queue_schemas.messages import Name
 
 DEFAULT_CONFIG = "default_pools.toml"
@@ -242,7 +243,7 @@ class PoolConfig(BaseModel):
 
     name: Name
     model: str = Field(min_length=1, description="the model name clients send")
-    engine: Literal["simulated", "vllm"] = "simulated"
+    engine: EngineName = "simulated"
     tokenizer: str | None = Field(
         default=None,
         min_length=1,
@@ -299,11 +300,16 @@ class PoolConfig(BaseModel):
             raise ValueError(
                 f"pool {self.name}: [pools.disaggregation] needs [pools.scaling.prefill] workers"
             )
-        if split and self.engine == "vllm" and (self.vllm is None or self.vllm.kv_connector is None):
+        if split and self.kind.vllm_section and (self.vllm is None or self.vllm.kv_connector is None):
             raise ValueError(f"pool {self.name}: disaggregation on vLLM needs [pools.vllm.kv_connector]")
         if split and self.adapters:
             raise ValueError(f"pool {self.name}: disaggregation is for base-model pools (no adapters)")
         return self
+
+    @property
+    def kind(self) -> EngineKind:
+        """What the pool's engine can do."""
+        return engine_kind(self.engine)
 
     @property
     def splits(self) -> bool:
@@ -312,9 +318,11 @@ class PoolConfig(BaseModel):
 
     @model_validator(mode="after")
     def _engine_section(self) -> Self:
-        if self.engine == "vllm" and self.vllm is None:
-            raise ValueError(f"pool {self.name}: engine = 'vllm' needs a [pools.vllm] section with `source`")
-        if self.engine == "vllm" and self.tokenizer == "bytes":
+        if self.kind.vllm_section and self.vllm is None:
+            raise ValueError(
+                f"pool {self.name}: engine = '{self.engine}' needs a [pools.vllm] section with `source`"
+            )
+        if self.kind.model_tokenizer and self.tokenizer == "bytes":
             raise ValueError(
                 f"pool {self.name}: a vLLM pool tokenizes with its model's tokenizer, not `bytes`"
             )
@@ -342,13 +350,13 @@ class PoolConfig(BaseModel):
         """Where prompts are tokenized from: `bytes`, a folder, or an `s3://` prefix."""
         if self.tokenizer is not None:
             return self.tokenizer
-        return self.vllm.source if self.vllm is not None and self.engine == "vllm" else "bytes"
+        return self.vllm.source if self.vllm is not None and self.kind.model_tokenizer else "bytes"
 
     @property
     def max_running(self) -> int:
         return (
             self.vllm.max_num_seqs
-            if self.vllm is not None and self.engine == "vllm"
+            if self.vllm is not None and self.kind.vllm_section
             else self.simulated.max_running
         )
 

@@ -10,7 +10,7 @@ import pytest_asyncio
 
 from dispatcher.migration import continuation, progress_of
 from gpu_workers.coalesce import ChunkCoalescer
-from gpu_workers.engine import EngineError, EngineOutput
+from gpu_workers.engine import EngineOutput, RequestFailed
 from gpu_workers.vllm_engine import VllmEngine
 from plumbing.model_store import ModelStore
 from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, KvEventKind, TokenChunk
@@ -141,7 +141,7 @@ async def test_stop_sequences_and_sampling_fields_reach_the_engine(engine: VllmE
 
 
 async def test_a_prompt_longer_than_the_context_is_an_engine_error(engine: VllmEngine) -> None:
-    with pytest.raises(EngineError, match="refused the request"):
+    with pytest.raises(RequestFailed, match="refused the request"):
         await collect(engine, request_for(list(range(3, 403)) * 6, max_tokens=4, rid="long-0000000000000001"))
     assert engine.failure() is None, "one bad request does not kill the engine"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from gpu_workers.engine import EngineError
+from gpu_workers.engine import RequestFailed
 from gpu_workers.vllm_engine import VllmEngine
 from infra.models import build_lora_adapter
 from plumbing.model_store import ModelStore
@@ -61,5 +61,5 @@ async def test_two_adapters_on_one_engine_answer_as_each_does_alone(engine: Vllm
 
 
 async def test_an_adapter_the_pool_does_not_declare_is_refused(engine: VllmEngine) -> None:
-    with pytest.raises(EngineError, match="no adapter named"):
+    with pytest.raises(RequestFailed, match="no adapter named"):
         await greedy(engine, "tiny-unknown", "lora-unknown-000001")

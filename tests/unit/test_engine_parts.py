@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpu_workers.engine import EngineError
+from gpu_workers.engine import EngineError, StartFailed
 from gpu_workers.kv_translate import KvTranslator
 from gpu_workers.vllm_engine import (
     EngineFigures,
@@ -63,7 +63,7 @@ def test_translator_skips_blocks_whose_parent_was_never_seen() -> None:
 def test_cpu_threads_split_per_rank() -> None:
     assert cpu_thread_binding([0, 1], 2) == "0|1"
     assert cpu_thread_binding([0, 1, 2, 3, 4, 5, 6, 7], 2) == "0-3|4-7"
-    with pytest.raises(EngineError, match="needs at least as many CPU cores"):
+    with pytest.raises(StartFailed, match="needs at least as many CPU cores"):
         cpu_thread_binding([0], 2)
 
 
