@@ -121,10 +121,6 @@ class Hold:
     def full(self) -> bool:
         return len(self._by_id) >= self.capacity
 
-    def full_for(self, priority: Priority, capacity: int) -> bool:
-        """Whether one class holds `capacity` requests or more (a batch flood has its own bound)."""
-        return self.size(priority) >= capacity
-
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
 

@@ -26,10 +26,6 @@ async def set_team_limits(redis: aioredis.Redis, names: Names, team: str, limits
     await redis.set(names.team(team), record.model_dump_json())
 
 
-async def team_limits(redis: aioredis.Redis, names: Names, team: str) -> TeamLimits:
-    return (await team_record(redis, names, team)).limits
-
-
 async def set_team_weight(redis: aioredis.Redis, names: Names, team: str, weight: float) -> None:
     """Set the team's share in the dispatchers' fair order (they re-read it within seconds)."""
     current = await team_record(redis, names, team)

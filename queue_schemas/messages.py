@@ -356,13 +356,6 @@ class CancelNotice(Message):
     sent_at: float
 
 
-class ErrorInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    code: str
-    message: str
-
-
 class DeadLetter(Message):
     """A message a consumer could not use, with where it came from and why."""
 

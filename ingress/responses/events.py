@@ -26,7 +26,6 @@ from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, FinalChunk, FinishReason, StreamEvent, Usage
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
-TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed"}
 
 
 class ResponseRecord(BaseModel):
