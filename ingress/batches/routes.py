@@ -42,7 +42,7 @@ from ingress.batches.api import (
 )
 from ingress.batches.keeper import remove_file, save_file_record, transition
 from ingress.context import IngressContext
-from ingress.routes import Context, Team, body_schema, read_json_body
+from ingress.pipeline import Context, Team, body_schema, read_json_body
 from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, RESULT_ROOM, TeamStorage
 from openai_api.errors import (
     InsufficientQuota,

@@ -24,15 +24,7 @@ from sse_starlette import EventSourceResponse
 from ingress import relay
 from ingress.context import IngressContext
 from ingress.metrics import ACTIVE_STREAMS, REQUESTS
-from ingress.responses.api import ResponsesRequest, as_chat, check_served, parse_response_id
-from ingress.responses.events import (
-    ResponseEvents,
-    ResponseRecord,
-    replayed,
-    shown_status,
-    unseen,
-)
-from ingress.routes import (
+from ingress.pipeline import (
     Context,
     Team,
     admit,
@@ -41,6 +33,14 @@ from ingress.routes import (
     prepare_chat,
     queue,
     read_json_body,
+)
+from ingress.responses.api import ResponsesRequest, as_chat, check_served, parse_response_id
+from ingress.responses.events import (
+    ResponseEvents,
+    ResponseRecord,
+    replayed,
+    shown_status,
+    unseen,
 )
 from ingress.streams import RESYNC, HubDisconnected, Subscription
 from ingress.team_caps import TeamStorage

@@ -1,0 +1,289 @@
+"""The steps every generating endpoint shares: authenticate (a dependency), read the body through the input
+boundary, resolve the pool, admit (pool gate, quota, output plan), queue on Kafka, and relay the answer as
+SSE or whole. The chat and completion routes and the Responses API are built from these."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import structlog
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+
+from ingress import relay
+from ingress.auth import Caller
+from ingress.context import IngressContext
+from ingress.metrics import ACTIVE_STREAMS, INTER_TOKEN, REJECTIONS, REQUESTS, TTFT
+from ingress.streams import HubDisconnected, Subscription
+from openai_api import admission
+from openai_api.errors import (
+    ApiError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    ServiceUnavailable,
+)
+from openai_api.openai_types import ChatCompletionRequest, ChatMessage, GenerationFields, ResponseShape
+from openai_api.structured import (
+    OutputPlan,
+    check_sizes,
+    checked_param,
+    plan_output,
+    tool_definitions,
+    xgrammar_check,
+)
+from openai_api.tokenizer import encode_off_loop
+from queue_schemas.boundary import InputRefused, load_untrusted
+from queue_schemas.config import PoolConfig
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
+
+log = structlog.get_logger("sluice.ingress")
+
+
+def get_context(request: Request) -> IngressContext:
+    ctx: IngressContext = request.app.state.ctx
+    return ctx
+
+
+Context = Annotated[IngressContext, Depends(get_context)]
+
+
+async def get_caller(request: Request, ctx: Context) -> Caller:
+    return await ctx.auth.authenticate(request.headers.get("authorization"))
+
+
+Team = Annotated[Caller, Depends(get_caller)]
+
+
+def inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """Replace `#/$defs/X` references by X itself, so the schema stands alone inside the OpenAPI document."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [inline_refs(v, defs) for v in node]
+    return node
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """Document the JSON body in the OpenAPI schema; the handler parses it itself for OpenAI-style errors."""
+    schema = model.model_json_schema()
+    schema = inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def read_json_body(request: Request, limit: int) -> tuple[Any, int]:
+    """The parsed JSON body and its size, through the input boundary. A body over `limit` is refused as
+    soon as that is known: from its Content-Length, or, for a chunked body, at the chunk that crosses the
+    limit, never buffered whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"The request body exceeds the {limit}-byte limit.")
+    try:
+        return load_untrusted(bytes(raw)), len(raw)
+    except InputRefused as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+
+
+def resolve_pool(ctx: IngressContext, team: Caller, model: str) -> PoolConfig:
+    pool = ctx.pools.pool_for_model(model)
+    adapter = model if pool is not None and model != pool.model else None
+    if pool is None or not team.key.allows_model(pool.name, adapter):
+        raise NotFound(
+            f"The model '{model}' does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+    return pool
+
+
+NO_PLAN = OutputPlan()
+
+
+async def no_plan() -> OutputPlan:
+    return NO_PLAN
+
+
+async def prepare_chat(
+    ctx: IngressContext, team: Caller, body: ChatCompletionRequest, size: int
+) -> tuple[PoolConfig, list[int], Callable[[], Awaitable[OutputPlan]]]:
+    """The pool, the prompt's tokens (tools included) and the deferred output plan of a chat request."""
+    pool = resolve_pool(ctx, team, body.model)
+    check_sizes(body)
+    tokenizer = ctx.tokenizers[pool.name]
+    tools = tool_definitions(body)
+
+    def encode(messages: list[ChatMessage]) -> list[int]:
+        return tokenizer.encode_chat(messages, tools)
+
+    prompt_ids = await encode_off_loop(encode, body.messages, size)
+    compile_check = xgrammar_check if pool.kind.compiles_schemas else None
+    call_id = f"call_{secrets.token_hex(12)}"
+
+    async def plan() -> OutputPlan:
+        return await ctx.checks.run(
+            lambda: plan_output(body, call_id, compile_check, tool_parser=False), checked_param(body)
+        )
+
+    return pool, prompt_ids, plan
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request past the gates, with its quota reserved: queue it, or release its reservation."""
+
+    inference: InferenceRequest
+    plan: OutputPlan
+    headers: dict[str, str]
+
+
+async def admit(
+    ctx: IngressContext,
+    team: Caller,
+    pool: PoolConfig,
+    body: GenerationFields,
+    prompt_ids: list[int],
+    make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
+    keep_log_s: int = 0,
+) -> Admitted:
+    """Admit (pool and quota), then check the output plan: the steps every generating endpoint
+    shares. The plan's checks are the expensive ones, so they come after the gate."""
+    if body.tier() is Tier.PRIORITY and not team.key.allow_priority:
+        raise PermissionDenied(
+            "This API key may not use service_tier 'priority'; use 'default' or 'flex', or a key that "
+            "allows priority.",
+            param="service_tier",
+            code="service_tier_not_allowed",
+        )
+    inference = admission.build_request(
+        body, pool, team.key.team, prompt_ids,
+        request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
+        key_id=team.key.key_id, keep_log_s=keep_log_s,
+    )  # fmt: skip
+    try:
+        await ctx.pool_gate.check(pool)
+        hold_s = inference.deadline - inference.created_at + 60
+        cost = admission.reserved_tokens(inference)
+        headers = await ctx.quota.reserve(team.team, team.limits, inference.request_id, cost, hold_s)
+    except ApiError as err:
+        REJECTIONS.labels(pool.name, err.code or err.type).inc()
+        raise
+    try:
+        plan = await make_plan()
+    except BaseException:
+        await ctx.release(inference.team, inference.request_id)
+        raise
+    if plan.structured is not None:
+        sampling = inference.sampling.model_copy(update={"structured": plan.structured})
+        inference = inference.model_copy(update={"sampling": sampling})
+    return Admitted(inference, plan, headers)
+
+
+async def serve(
+    ctx: IngressContext,
+    team: Caller,
+    pool: PoolConfig,
+    body: GenerationFields,
+    prompt_ids: list[int],
+    kind: Literal["chat", "text"],
+    make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
+) -> Response:
+    """Admit, queue, then relay: the steps both completion endpoints share."""
+    admitted = await admit(ctx, team, pool, body, prompt_ids, make_plan)
+    inference, plan, headers = admitted.inference, admitted.plan, admitted.headers
+    sub = await queue(ctx, inference)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    model = inference.adapter or pool.model
+    shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), model)
+    ACTIVE_STREAMS.labels(pool.name).inc()
+    if body.stream:
+        stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))
+        return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
+    async with gathering(ctx, sub, inference):
+        result = await relay.collect(sub, inference, ctx.read_log, shape, plan.tool)
+    return JSONResponse(result, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def gathering(
+    ctx: IngressContext, sub: Subscription, inference: InferenceRequest
+) -> AsyncIterator[None]:
+    """A whole (non-streamed) answer being gathered: counted by outcome, cancelled if its client leaves
+    first, and its subscription closed either way."""
+    pool = inference.pool
+    try:
+        yield
+        REQUESTS.labels(pool, "ok").inc()
+    except asyncio.CancelledError:
+        ctx.cancel_soon(inference.request_id, "client disconnected")
+        REQUESTS.labels(pool, "cancelled").inc()
+        raise
+    except Exception:
+        REQUESTS.labels(pool, "error").inc()
+        raise
+    finally:
+        ACTIVE_STREAMS.labels(pool).dec()
+        await sub.close()
+
+
+async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscription:
+    """Subscribe to the reply channel, then produce; release the reservation if either fails."""
+    try:
+        sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(inference.request_id))
+    except HubDisconnected as exc:
+        log.warning("stream not subscribed", request_id=inference.request_id, error=str(exc))
+        await ctx.release(inference.team, inference.request_id)
+        raise ServiceUnavailable("The stream relay is unavailable; retry shortly.") from exc
+    try:
+        await ctx.publish(inference)
+    except BaseException:
+        await sub.close()
+        await ctx.release(inference.team, inference.request_id)
+        raise
+    return sub
+
+
+async def sse_events(
+    ctx: IngressContext, sub: Subscription, inference: InferenceRequest, fmt: relay.SseFormatter
+) -> AsyncIterator[dict[str, str]]:
+    """SSE payloads for one request; if the client goes away first, cancel the request upstream."""
+    finished = False
+    outcome = "cancelled"
+    try:
+        for payload in fmt.opening():
+            yield {"data": payload}
+        last = 0.0
+        async for event in relay.events(sub, inference, ctx.read_log):
+            now = time.time()
+            if event.seq == 0:
+                TTFT.labels(inference.pool).observe(now - inference.created_at)
+            elif isinstance(event, TokenChunk | FinalChunk) and event.num_tokens:
+                INTER_TOKEN.labels(inference.pool).observe((now - last) / event.num_tokens)
+            last = now
+            for payload in fmt.format(event):
+                yield {"data": payload}
+            if isinstance(event, FinalChunk | ErrorChunk):
+                finished = True
+                outcome = "ok" if isinstance(event, FinalChunk) else "error"
+    finally:
+        if not finished:
+            ctx.cancel_soon(inference.request_id, "client disconnected")
+        REQUESTS.labels(inference.pool, outcome).inc()
+        ACTIVE_STREAMS.labels(inference.pool).dec()
+        await sub.close()
