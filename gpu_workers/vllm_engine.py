@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,228 +29,24 @@ from gpu_workers.engine import (
 )
 from gpu_workers.handoff import KvTransfer, transfer_params
 from gpu_workers.kv_translate import KvTranslator, salt_of
+from gpu_workers.vllm_args import (
+    KV_TOPIC,
+    cpu_thread_binding,
+    engine_arguments,
+    finish_reason,
+    sampling_arguments,
+)
+from gpu_workers.vllm_lora import BASE_ADAPTER, check_adapter, zero_adapter
+from gpu_workers.vllm_stats import EngineFigures, stat_logger_class
 from plumbing.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 from queue_schemas.config import (
     HANDOFF_CONNECTOR,
-    HANDOFF_CONNECTOR_MODULE,
-    KV_CONNECTOR_ROLES,
-    AdapterConfig,
     PoolConfig,
     VllmEngineConfig,
 )
-from queue_schemas.messages import FinishReason, InferenceRequest, KvRole
+from queue_schemas.messages import InferenceRequest, KvRole
 
 log = structlog.get_logger("sluice.vllm")
-
-KV_TOPIC = b"kv"
-NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
-
-
-def cpu_thread_binding(cores: list[int], tensor_parallel_size: int) -> str:
-    """vLLM's VLLM_CPU_OMP_THREADS_BIND value: the cores split into one contiguous group per rank."""
-    if tensor_parallel_size > len(cores):
-        raise StartFailed(
-            f"tensor_parallel_size {tensor_parallel_size} needs at least as many CPU cores; {len(cores)} here"
-        )
-    per_rank = len(cores) // tensor_parallel_size
-    groups = [cores[i * per_rank : (i + 1) * per_rank] for i in range(tensor_parallel_size)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
-
-
-def speculative_config(config: VllmEngineConfig, enabled: bool) -> dict[str, Any] | None:
-    if not enabled:
-        return None
-    if config.draft_model is not None:
-        return {"model": config.draft_model, "num_speculative_tokens": config.ngram_tokens}
-    return {"method": "ngram", "num_speculative_tokens": config.ngram_tokens, **NGRAM_LOOKUP}
-
-
-def kv_transfer_arguments(config: VllmEngineConfig, role: KvRole) -> dict[str, Any] | None:
-    """vLLM's kv_transfer_config for the pool's KV connector and this worker's role; None without one.
-    Pure."""
-    if config.kv_connector is None:
-        return None
-    args: dict[str, Any] = {
-        "kv_connector": config.kv_connector.connector,
-        "kv_role": KV_CONNECTOR_ROLES[role],
-        "kv_connector_extra_config": dict(config.kv_connector.extra),
-        # KV that cannot be loaded (a prefill worker gone before the decode side pulled it) is computed
-        # where the request decodes, never an error to the client.
-        "kv_load_failure_policy": "recompute",
-    }
-    if config.kv_connector.connector == HANDOFF_CONNECTOR:
-        args["kv_connector_module_path"] = HANDOFF_CONNECTOR_MODULE
-    return args
-
-
-def engine_arguments(
-    pool: PoolConfig,
-    model_dir: Path,
-    spec_decoding: bool,
-    kv_endpoint: str | None,
-    on_gpu: bool = True,
-    role: KvRole = "both",
-) -> dict[str, Any]:
-    """Keyword arguments for vLLM's AsyncEngineArgs, from the pool's configuration. Pure.
-
-    `auto` precision is vLLM's choice on a GPU and float32 on a CPU: vLLM's own choice there is
-    bfloat16, whose kernels use AVX512-BF16 and AMX instructions that a CPU may report but its virtual
-    machine not enable (the engine's worker then dies of SIGILL on its first step)."""
-    config = pool.vllm
-    if config is None:
-        raise StartFailed(f"pool {pool.name} has no [pools.vllm] section")
-    args: dict[str, Any] = {
-        "model": str(model_dir),
-        "dtype": config.dtype if config.dtype != "auto" or on_gpu else "float32",
-        "tensor_parallel_size": pool.tensor_parallel_size,
-        "enable_prefix_caching": True,
-        "block_size": pool.block_size,
-        "max_model_len": pool.context_tokens,
-        "max_num_seqs": pool.engine_slots,
-        "scheduling_policy": config.scheduling_policy,
-        "enforce_eager": config.enforce_eager,
-        "kv_cache_memory_bytes": int(config.kv_cache_gib * (1 << 30)),
-        "speculative_config": speculative_config(config, spec_decoding),
-        "disable_log_stats": False,
-    }
-    if pool.adapters:
-        args.update(lora_arguments(pool, on_gpu))
-    transfer = kv_transfer_arguments(config, role)
-    if transfer is not None:
-        args["kv_transfer_config"] = transfer
-        if role == "prefill":  # a prompt's KV is saved from one step: no prompt is split over steps
-            args["max_num_batched_tokens"] = pool.context_tokens
-    if kv_endpoint is not None:
-        args["kv_events_config"] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": kv_endpoint,
-            "topic": KV_TOPIC.decode(),
-        }
-    return args
-
-
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
-def lora_arguments(pool: PoolConfig, on_gpu: bool) -> dict[str, Any]:
-    """vLLM's LoRA settings for a pool with adapters: `max_loras` held at once (and as many kept in host
-    memory, so an evicted adapter is read from its folder again), the rank rounded up to one vLLM
-    accepts. On a CPU one slot more, for the base adapter (see `zero_adapter`). Pure."""
-    rank = max(a.rank for a in pool.adapters)
-    slots = pool.max_loras + (0 if on_gpu else 1)
-    return {
-        "enable_lora": True,
-        "max_loras": slots,
-        "max_cpu_loras": slots,
-        "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
-    }
-
-
-def check_adapter(adapter: AdapterConfig, folder: Path) -> None:
-    """The adapter's files are PEFT's LoRA layout and its rank fits the configured one (vLLM's
-    max_lora_rank comes from the configuration, and a larger adapter would fail on its first request)."""
-    try:
-        config = json.loads((folder / "adapter_config.json").read_text())
-        rank = int(config["r"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelSourceError(f"adapter {adapter.name}: unreadable adapter_config.json ({exc})") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ModelSourceError(f"adapter {adapter.name}: peft_type {config.get('peft_type')!r} is not LORA")
-    if rank > adapter.rank:
-        raise ModelSourceError(
-            f"adapter {adapter.name}: its rank is {rank}, above the configured rank {adapter.rank}; "
-            f"set rank = {rank} for it in the pool"
-        )
-
-
-BASE_ADAPTER = "sluice-base"
-
-
-def zero_adapter(like: Path, dest: Path) -> Path:
-    """An adapter of the same shapes as the one in `like` with every weight zero: the base model's
-    output. On a CPU, vLLM (0.32) runs a request without an adapter that shares a batch with adapter
-    requests under the adapter in its last LoRA slot (measured: greedy output changed to that
-    adapter's); workers there run base-model requests under this one instead, pinned in its own slot."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    weights, config = dest / "adapter_model.safetensors", dest / "adapter_config.json"
-    wanted = (like / "adapter_config.json").read_text()
-    # Made again when the adapter it copies changed (another rank or modules), else re-used.
-    if not weights.exists() or not config.exists() or config.read_text() != wanted:
-        dest.mkdir(parents=True, exist_ok=True)
-        tensors = load_file(str(like / "adapter_model.safetensors"))
-        save_file({name: torch.zeros_like(t) for name, t in tensors.items()}, str(weights))
-        config.write_text(wanted)
-    return dest
-
-
-def sampling_arguments(request: InferenceRequest) -> dict[str, Any]:
-    """Keyword arguments for vLLM's SamplingParams (deltas, not cumulative text); `structured` is the
-    guided-decoding constraint, given to vLLM as StructuredOutputsParams. Pure."""
-    s = request.sampling
-    structured: dict[str, Any] | None = None
-    if s.structured is not None and s.structured.kind == "json_schema" and s.structured.schema_text:
-        structured = {"json": json.loads(s.structured.schema_text)}
-    elif s.structured is not None:
-        structured = {"json_object": True}
-    return {
-        "structured": structured,
-        "max_tokens": s.max_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "stop": list(s.stop) or None,
-        "seed": s.seed,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-    }
-
-
-def finish_reason(value: str | None) -> FinishReason:
-    if value == "length":
-        return FinishReason.LENGTH
-    if value == "stop":
-        return FinishReason.STOP
-    raise RequestFailed(f"the engine ended the request ({value})")
-
-
-class EngineFigures:
-    """The latest scheduler figures and running totals, as the stat logger hands them over. Pure."""
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.spec_drafted = 0
-        self.spec_accepted = 0
-        self.preemptions = 0
-        self._generated: deque[tuple[float, int]] = deque()
-
-    def record(self, scheduler: Any, iteration: Any, now: float) -> None:
-        if scheduler is not None:
-            self.running = int(scheduler.num_running_reqs)
-            self.waiting = int(scheduler.num_waiting_reqs)
-            self.kv_usage = float(scheduler.kv_cache_usage)
-            prefix = scheduler.prefix_cache_stats
-            if prefix is not None and not prefix.reset:
-                self.prefix_queries += int(prefix.queries)
-                self.prefix_hits += int(prefix.hits)
-            spec = scheduler.spec_decoding_stats
-            if spec is not None:
-                self.spec_drafted += int(spec.num_draft_tokens)
-                self.spec_accepted += int(spec.num_accepted_tokens)
-        if iteration is not None:
-            self.preemptions += int(iteration.num_preempted_reqs)
-            if iteration.num_generation_tokens:
-                self._generated.append((now, int(iteration.num_generation_tokens)))
-
-    def tokens_per_s(self, now: float, window_s: float = 5.0) -> float:
-        while self._generated and now - self._generated[0][0] > window_s:
-            self._generated.popleft()
-        return sum(n for _, n in self._generated) / window_s
 
 
 class VllmEngine:
@@ -300,7 +94,7 @@ class VllmEngine:
         args = engine_arguments(
             self._pool, self.model_dir, self._spec, endpoint, on_gpu=_has_cuda(), role=self._role
         )
-        logger = _stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
+        logger = stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
         # The engine's processes are spawned during start-up and take the environment as it is then.
         extra_env = self._cpu_environment(config)
         os.environ.update(extra_env)
@@ -514,21 +308,3 @@ def _import_vllm() -> dict[str, Any]:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     return {"AsyncEngineArgs": AsyncEngineArgs, "AsyncLLM": AsyncLLM, "StatLoggerBase": StatLoggerBase}
-
-
-def _stat_logger_class(base: type[Any], figures: EngineFigures) -> type[Any]:
-    """A vLLM stat logger class that hands each step's figures to `figures`."""
-
-    class SluiceStatLogger(base):  # type: ignore[misc]
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(
-            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
-        ) -> None:
-            figures.record(scheduler_stats, iteration_stats, time.monotonic())
-
-        def log_engine_initialized(self) -> None:
-            return None
-
-    return SluiceStatLogger

@@ -25,7 +25,7 @@ from gpu_workers.handoff import (
     transfer_params,
 )
 from gpu_workers.prefill import expected_rows, prefill_request, saved_rows
-from gpu_workers.vllm_engine import engine_arguments
+from gpu_workers.vllm_args import engine_arguments
 from queue_schemas.config import (
     HANDOFF_CONNECTOR,
     HANDOFF_CONNECTOR_MODULE,

@@ -10,17 +10,16 @@ import pytest
 
 from gpu_workers.engine import EngineError, StartFailed
 from gpu_workers.kv_translate import KvTranslator
-from gpu_workers.vllm_engine import (
-    EngineFigures,
-    check_adapter,
+from gpu_workers.vllm_args import (
     cpu_thread_binding,
     engine_arguments,
     finish_reason,
     lora_arguments,
     sampling_arguments,
     speculative_config,
-    zero_adapter,
 )
+from gpu_workers.vllm_lora import check_adapter, zero_adapter
+from gpu_workers.vllm_stats import EngineFigures
 from infra.install_engine import cpu_requirements
 from plumbing.model_store import ModelSourceError
 from queue_schemas.config import AdapterConfig, ConfigError, PoolConfig, VllmEngineConfig, parse_config
