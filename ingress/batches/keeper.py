@@ -27,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
@@ -44,11 +44,11 @@ from ingress.batches.api import (
     local_http_line,
     next_step,
     object_key,
-    parse_line_request_id,
     result_file_id,
     succeeded,
     validation_errors,
 )
+from ingress.batches.collector import AnswerCollector, store_line
 from ingress.batches.files import lines_from, read_window, write_results
 from ingress.batches.object_store import ObjectStore
 from ingress.settings import IngressSettings
@@ -57,10 +57,8 @@ from plumbing.health import Liveness, item_failed
 from plumbing.protocol.batches import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
 from plumbing.protocol.leases import LEASE_SCRIPT
 from plumbing.protocol.request import cancel
-from queue_schemas.batch import BatchAnswer, BatchSubmission, internal_request_id
-from queue_schemas.codec import decode
+from queue_schemas.batch import BatchSubmission, internal_request_id
 from queue_schemas.config import SluiceConfig
-from queue_schemas.errors import SchemaError
 from queue_schemas.keys import TeamKey
 from queue_schemas.names import Names
 from queue_schemas.signing import load_private_key, new_signing_key, sign_record
@@ -71,7 +69,6 @@ LEASE_MS = 15_000
 SUBMIT_CHUNK = 500  # lines sent per round per batch, then the cursor is saved
 SERVICE_KEY_TTL_S = 8 * 24 * 3600  # longer than any line waits in a batch topic
 RESULT_LINES_TTL_S = 600  # the collected lines, kept a while after the files are written
-COLLECT_FETCH_WAIT_MS = 500
 STEP_FAULTS = 3  # rounds in a row a batch's step may raise before the batch is failed
 KEEPER_STALE_S = 120.0  # /healthz: a keeper with no finished round for this long is stuck
 SWEEP_PAGE = 100  # expired files removed per round
@@ -117,12 +114,8 @@ class BatchKeeper:
         self.storage = TeamStorage(redis, names, caps or IngressSettings.model_construct().team_caps())
         self.file_expiry_s = file_expiry_s
         self.batch_retain_s = batch_retain_s
-        # Answers may wait half a second: a long poll keeps an idle collector cheap for the broker.
-        self._kafka_options = {
-            **kafka_options,
-            "fetch_max_wait_ms": max(int(kafka_options.get("fetch_max_wait_ms", 0)), COLLECT_FETCH_WAIT_MS),
-        }
         self.interval_s = interval_s
+        self.collector = AnswerCollector(redis, names, kafka_options, interval_s, self.liveness)
         self.holder = secrets.token_hex(8)
         pem, self._public, self.key_id = new_signing_key()
         self._private = load_private_key(pem)
@@ -132,7 +125,7 @@ class BatchKeeper:
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._forever(self._keep_round, "keeping batches"), name="batch-keeper"),
-            asyncio.create_task(self._collect(), name="batch-collector"),
+            asyncio.create_task(self.collector.run(), name="batch-collector"),
         ]
         self.liveness.watch("batch-keeper", self._tasks[0], stale_after_s=KEEPER_STALE_S)
         self.liveness.watch("batch-collector", self._tasks[1])
@@ -386,10 +379,7 @@ class BatchKeeper:
         return cursor, offset
 
     async def _store_line(self, team: str, batch_id: str, number: int, line: dict[str, Any]) -> int:
-        keys = collect_keys(self.names, team, batch_id)
-        ok = "1" if succeeded(line) else "0"
-        stored = await self.redis.eval(COLLECT_SCRIPT, len(keys), *keys, number, json.dumps(line), ok)
-        return int(stored)
+        return await store_line(self.redis, self.names, team, batch_id, number, line)
 
     async def _answered(self, team: str, batch_id: str) -> set[int]:
         numbers = await self.redis.hkeys(self.names.batch_lines(team, batch_id))
@@ -548,54 +538,6 @@ class BatchKeeper:
                 log.error("an expired file could not be removed", team=team, file_id=file_id,
                           error=type(exc).__name__, exc_info=exc)  # fmt: skip
                 await self.redis.zrem(self.names.file_expiry(), f"{team}/{file_id}")
-
-    # collecting
-
-    async def _collect(self) -> None:
-        """Answers of every batch's lines, from the internal answers topic, into their batches."""
-        while True:
-            consumer = AIOKafkaConsumer(self.names.batch_api_answers_topic(), **self._kafka_options)
-            try:
-                await consumer.start()
-                while True:
-                    batches = await consumer.getmany(timeout_ms=500, max_records=500)
-                    for records in batches.values():
-                        for record in records:
-                            await self._collect_alone(record.value or b"")
-                    if batches:
-                        await consumer.commit()
-                    self.liveness.beat("batch-collector")
-            except (RedisError, KafkaError, OSError) as exc:
-                log.warning("collecting answers failed; reconnecting", error=str(exc))
-            finally:
-                with contextlib.suppress(KafkaError, OSError):
-                    await consumer.stop()
-            await asyncio.sleep(self.interval_s)
-
-    async def _collect_alone(self, value: bytes) -> None:
-        """One answer; one that raises (other than on an outage) is logged, counted and passed over."""
-        try:
-            await self._collect_one(value)
-        except (RedisError, KafkaError, OSError):
-            raise
-        except Exception as exc:
-            item_failed("ingress.batch_collector")
-            log.error("an answer could not be collected", error=type(exc).__name__, exc_info=exc)
-
-    async def _collect_one(self, value: bytes) -> None:
-        try:
-            answer = decode(BatchAnswer, value)
-        except SchemaError as exc:
-            log.error("an answer on the batch answers topic is not one", error=str(exc))
-            return
-        where = parse_line_request_id(answer.request_id)
-        if where is None:
-            log.error("an answer names no line of a batch", request_id=answer.request_id)
-            return
-        team, batch_id, number = where
-        stored = await self._store_line(team, batch_id, number, answer.output_line())
-        if stored == -1:
-            log.warning("an answer for no known batch line", batch_id=batch_id, line=number)
 
 
 KEY_REVOKED = "The API key that created the batch was revoked."

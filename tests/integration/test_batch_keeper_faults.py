@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from ingress.batches import keeper as keeper_module
+from ingress.batches import collector as collector_module
 from ingress.batches.api import (
     BatchCreate,
     FileRecord,
@@ -198,7 +198,7 @@ async def test_a_poisoned_answer_is_passed_over(
             "response": {"status_code": 200, "request_id": "r", "body": {"ok": True}}, "error": None,
         }  # fmt: skip
         # Depth a JSON parser takes but the models' own checks do not: decoding it must not end the loop.
-        await h.keeper._collect_alone(b"[" * 5000 + b"]" * 5000)
+        await h.keeper.collector.collect_alone(b"[" * 5000 + b"]" * 5000)
         # An answer whose handling raises past every check: it alone is passed over, and counted.
         real = parse_line_request_id
 
@@ -207,11 +207,11 @@ async def test_a_poisoned_answer_is_passed_over(
                 raise KeyError(request_id)
             return real(request_id)
 
-        monkeypatch.setattr(keeper_module, "parse_line_request_id", faulty)
+        monkeypatch.setattr(collector_module, "parse_line_request_id", faulty)
         failed_before = ITEMS_FAILED.labels("ingress.batch_collector")._value.get()
-        await h.keeper._collect_alone(json.dumps({**answer, "request_id": "boom"}).encode())
+        await h.keeper.collector.collect_alone(json.dumps({**answer, "request_id": "boom"}).encode())
         assert ITEMS_FAILED.labels("ingress.batch_collector")._value.get() == failed_before + 1
-        await h.keeper._collect_alone(json.dumps(answer).encode())
+        await h.keeper.collector.collect_alone(json.dumps(answer).encode())
         answers = await h.answers("acme", batch_id)
         assert answers[0]["custom_id"] == "a0"
 
