@@ -1,0 +1,198 @@
+"""Deciding and acting: held requests, in priority and fairness order, offered to placement; a claim
+and an inbox append for the chosen worker; a prefill handoff where the split decision says so; a lost
+worker's request readied to move."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from functools import partial
+
+import structlog
+from redis.exceptions import RedisError
+
+from dispatcher import metrics
+from dispatcher.batch_desk import Refusal, Reserve
+from dispatcher.disagg import choose_prefill, decide_split, split_case
+from dispatcher.ending import Ending
+from dispatcher.hold import Held
+from dispatcher.migration import decide_move
+from dispatcher.placement import Demand, choose_least_loaded
+from plumbing.clients import BusUnavailable
+from plumbing.replay import read_log
+from queue_schemas.errors import ErrorCode
+from queue_schemas.messages import (
+    Handoff,
+    InferenceRequest,
+    Priority,
+    Usage,
+)
+from queue_schemas.usage import UsageStatus
+
+log = structlog.get_logger("sluice.dispatcher")
+
+
+class Placing(Ending):
+    async def _place_held(self) -> None:
+        if not len(self.hold):
+            return
+        misses = batch_tries = 0
+        now = time.time()
+        for held in list(self.hold.ordered()):
+            if held.not_before > now:
+                continue
+            if held.request.priority is Priority.BATCH:
+                batch_tries += 1
+                if batch_tries > self.settings.batch_per_round:
+                    break  # back to receiving, so an interactive request never waits behind a long round
+            tag = self.hold.tag(held.request.team)  # as it stands now: earlier placements are charged
+            if held.request.fair_tag != tag:
+                held.request = held.request.model_copy(update={"fair_tag": tag})
+            try:
+                placed = await self._try_place(held)
+            except (RedisError, BusUnavailable):
+                raise  # the loop's own pause: the request stays held
+            except Exception as exc:  # a fault of this request's alone: it ends, the round goes on
+                self._end_failed(held, exc)
+                placed = True
+            misses = 0 if placed else misses + 1
+            if misses >= self.settings.max_misses_per_round:
+                break  # nothing fits now; the rest of the hold waits for the next heartbeat
+        self._export_hold()
+
+    async def _try_place(self, held: Held) -> bool:
+        logged = 0
+        if held.taken_over is not None:
+            moving = await self._prepare_move(held)
+            if moving is None:
+                return True
+            logged = moving
+        request = held.request
+        waited = max(0.0, time.monotonic() - held.arrived)
+        demand = Demand(
+            len(request.prompt_token_ids),
+            request.block_hashes,
+            request.sampling.max_tokens,
+            request.priority,
+            waited,
+            light=request.priority is Priority.INTERACTIVE and self.hold.held_of(request.team) <= 1,
+            adapter=request.adapter,
+        )
+        t0 = time.perf_counter()
+        if self.settings.placement == "scored":
+            decision = self.view.decide(demand, time.time(), self.policy, self.rng)
+        else:
+            snapshot = self.view.snapshot(request.block_hashes)
+            decision = choose_least_loaded(snapshot, demand, time.time(), self.policy, self.rng)
+        handoff = None
+        if decision.worker_id is not None and self.disaggregation is not None:
+            handoff = self._handoff(request, decision.worker_id, decision.matched_blocks)
+        metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
+        if decision.worker_id is None:
+            return False
+        if handoff is not request.handoff:
+            held.request = request = request.model_copy(update={"handoff": handoff})
+        reserved = await self.batch.reserve(held)
+        if isinstance(reserved, Refusal):
+            self._answer_soon(held, reserved.send)
+            return True
+        if reserved is not Reserve.GO:
+            return False
+        outcome = await self.acts.place(held, decision, logged)
+        if outcome == "placed":
+            if held.taken_over is not None:
+                moved = held.request.resume is not None and held.request is not held.taken_over
+                await self._count_move("moved" if moved else "restarted")
+                log.info(
+                    "request of a lost worker placed again", request_id=request.request_id,
+                    worker=decision.worker_id, moved_from=held.moved_from, continued=moved,
+                )  # fmt: skip
+            self._finish(held)
+            self.hold.charge(request.team, held.cost)
+            metrics.TEAM_PLACED_TOKENS.labels(self.pool, request.team).inc(held.cost)
+            self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
+            if request.handoff is not None:
+                self.view.record_prefill(
+                    request.handoff.prefill_worker, len(request.prompt_token_ids), request.block_hashes
+                )
+            metrics.PLACEMENTS.labels(self.pool).inc()
+            metrics.QUEUED_SECONDS.labels(self.pool).observe(time.monotonic() - held.arrived)
+            metrics.PREFIX_BLOCKS.labels(self.pool, "prompt").inc(len(request.block_hashes))
+            metrics.PREFIX_BLOCKS.labels(self.pool, "matched").inc(decision.matched_blocks)
+            return True
+        if outcome == "changed":
+            return False  # the lost worker's log grew meanwhile: read again next round
+        metrics.OUTCOMES.labels(self.pool, outcome).inc()
+        if outcome == "cancelled":
+            await self._settle_ended(request, UsageStatus.CANCELLED, ErrorCode.CANCELLED)
+            if request.batch is not None:
+                self._answer_cancelled(held)  # it leaves the hold once the answer is out
+                return True
+        self._finish(held)
+        return True
+
+    def _handoff(self, request: InferenceRequest, decode_worker: str, matched_blocks: int) -> Handoff | None:
+        """A handoff to the best prefill worker when the split decision says so (dispatcher.disagg).
+        A moved request (its prompt holds delivered output) and a batch request prefill where they
+        decode."""
+        config = self.disaggregation
+        decode = self.view.heartbeats.get(decode_worker)
+        if config is None or decode is None or request.resume is not None or request.batch is not None:
+            return None
+        prompt = len(request.prompt_token_ids)
+        sides = self.view.prefill_sides(request.block_hashes)
+        side = choose_prefill(sides, prompt, time.time(), config, self.rng)
+        if side is None:
+            metrics.SPLITS.labels(self.pool, "local", "no prefill worker ready").inc()
+            return None
+        waiting = self.view.waiting(decode_worker)
+        case = split_case(prompt, decode, matched_blocks * self.block_size, side, config, waiting)
+        verdict = decide_split(case, config)
+        metrics.SPLITS.labels(self.pool, "split" if verdict.split else "local", verdict.reason).inc()
+        if not verdict.split:
+            return None
+        return Handoff(id=secrets.token_hex(16), prefill_worker=side.worker_id, wait_s=config.handoff_wait_s)
+
+    async def _prepare_move(self, held: Held) -> int | None:
+        """Ready a request taken over from a lost worker for placement, from what its replay log shows
+        was delivered (dispatcher.migration): the request whole, or its continuation. Returns how many
+        chunks the log held, or None when it needs no placement: it had ended, or cannot move and is
+        answered with worker_lost after what its client has."""
+        lost = held.taken_over
+        assert lost is not None
+        log_ = await read_log(self.redis, self.names, lost.request_id)
+        move = decide_move(lost, log_, self.max_migrations, self.block_size)
+        held.request = move.request
+        if move.outcome in ("restarted", "moved"):
+            return move.logged  # counted once placed
+        await self._count_move(move.outcome)
+        if move.outcome == "ended":
+            self._finish(held)
+            return None
+        metrics.OUTCOMES.labels(self.pool, "worker_lost").inc()
+        log.warning("request of a lost worker cannot move", request_id=lost.request_id, reason=move.reason)
+        prompt = min(move.used_tokens, lost.client_prompt_tokens)
+        usage = Usage(prompt_tokens=prompt, completion_tokens=move.used_tokens - prompt)
+        await self._settle_ended(lost, UsageStatus.FAILED, ErrorCode.WORKER_LOST, usage)
+        message = f"the worker serving the request was lost, and {move.reason}"
+        self._answer_soon(
+            held, partial(self._answer_error, lost, ErrorCode.WORKER_LOST, message, move.logged)
+        )
+        return None
+
+    async def _count_move(self, outcome: str) -> None:
+        """In this process's metrics, and in Redis for the scaler's dashboard (all dispatchers summed)."""
+        metrics.MIGRATIONS.labels(self.pool, outcome).inc()
+        with contextlib.suppress(RedisError):
+            await self.redis.hincrby(self.names.migrations(self.pool), outcome, 1)
+
+    def _export_hold(self) -> None:
+        for priority in Priority:
+            metrics.HOLD_SIZE.labels(self.pool, priority.value).set(self.hold.size(priority))
+        held = self.hold.held_by_team()
+        for team in self._teams_seen - held.keys():
+            metrics.TEAM_HELD.labels(self.pool, team).set(0)
+        for team, count in held.items():
+            metrics.TEAM_HELD.labels(self.pool, team).set(count)
+        self._teams_seen |= held.keys()
