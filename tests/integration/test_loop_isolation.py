@@ -18,9 +18,10 @@ from prometheus_client import REGISTRY
 
 from gpu_workers.engine import EngineOutput
 from gpu_workers.handoff import KvTransfer
+from gpu_workers.parts import REQUEST_FAULT
 from gpu_workers.settings import WorkerSettings
 from gpu_workers.simulated import SimulatedEngine
-from gpu_workers.worker import REQUEST_FAULT, Worker
+from gpu_workers.worker import Worker
 from infra.usage_cli import read_usage
 from ingress.streams import RESYNC, HubDisconnected, StreamHub
 from ingress.usage_relay import UsageRelay

@@ -1,0 +1,152 @@
+"""Taking requests from the worker's inbox: entries read, checked and held until a slot frees (the best
+of them starts, not the oldest), duplicates dropped, cancellations applied, and draining."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from gpu_workers.inbox import Entry
+from gpu_workers.parts import CONSUME_ROUND_S, INBOX_ITEMS, INBOX_LOOP, RECENT_REQUESTS, REQUEST_ITEMS, log
+from gpu_workers.presence import (
+    Ready,
+    next_light,
+    next_to_start,
+)
+from gpu_workers.serving import Serving
+from plumbing.health import item_failed
+from queue_schemas.codec import decode
+from queue_schemas.errors import SchemaError
+from queue_schemas.messages import (
+    CancelNotice,
+    InferenceRequest,
+    Priority,
+)
+from queue_schemas.names import INBOX_FIELD
+
+
+class Consuming(Serving):
+    async def _consume(self, until: Callable[[], bool]) -> None:
+        """Receive: keep up to max_running requests going until `until()` says stop, and the light slots
+        for teams under their share; read ahead up to `inbox_lookahead` entries, and start the best of
+        what was read first. One inbox read is outstanding at a time and is never cancelled (entries it
+        returns are ours to start or leave unacknowledged); a request that ends wakes the loop at once."""
+        reader: asyncio.Task[list[Entry]] | None = None
+        try:
+            while not until():
+                self.liveness.beat(INBOX_LOOP)
+                self._start_ready()
+                room = self.max_running + self.settings.inbox_lookahead - len(self._tasks) - len(self._ready)
+                if reader is None and room > 0:
+                    reader = asyncio.create_task(self.inbox.read(room, block_ms=200), name="inbox-read")
+                waiting: set[asyncio.Future[Any]] = set(self._tasks.values())
+                if reader is not None:
+                    waiting.add(reader)
+                if not waiting:  # no room to read ahead and nothing running: cannot happen with slots
+                    await asyncio.sleep(0.05)
+                    continue
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=CONSUME_ROUND_S)
+                if reader is not None and reader.done():
+                    await self._take(reader)
+                    reader = None
+        finally:
+            if reader is not None:
+                await asyncio.wait({reader}, timeout=1.0)
+                if reader.done():
+                    await self._take(reader)
+                else:
+                    reader.cancel()  # shutdown: unacknowledged entries stay for a dispatcher to move
+
+    async def _take(self, reader: asyncio.Task[list[Entry]]) -> None:
+        try:
+            entries = reader.result()
+        except RedisError as exc:
+            log.warning("inbox read failed", error=str(exc))
+            await asyncio.sleep(0.5)
+            return
+        for entry_id, fields in entries:
+            try:
+                self._accept(entry_id, fields)
+            except Exception:  # an entry this worker cannot take: it is dropped alone
+                self._drop_entry(entry_id, "the entry could not be taken", exc_info=True)
+        self._inbox_seen_empty = not entries and not self._ready
+
+    def _start_ready(self) -> None:
+        """Fill free slots from the ready entries: a stated slot takes the best of them (`next_to_start`;
+        a batch entry only while batch holds fewer than `batch_slots`), a light slot only an interactive
+        entry of a team under its share (`next_light`)."""
+        while self._ready:
+            if len(self._tasks) < self.max_running:
+                room = len(self._batch_running) < self.batch_slots
+                chosen: int | None = next_to_start(self._ready, self._running_by_team, room)
+            elif len(self._tasks) < self.max_running + self.light_slots:
+                chosen = next_light(self._ready, self._running_by_team, self.max_running)
+            else:
+                chosen = None
+            if chosen is None:
+                return
+            ready = self._ready.pop(chosen)
+            self._start(ready.request, ready.entry_id)
+
+    def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        try:
+            request = decode(InferenceRequest, fields.get(INBOX_FIELD, b""))
+        except SchemaError as exc:
+            self._drop_entry(entry_id, str(exc))
+            return
+        rid = request.request_id
+        if rid in self._tasks or any(r.request.request_id == rid for r in self._ready):
+            return
+        if rid in self._finished:  # appended again by a dispatcher that could not know it had arrived
+            self._spawn(entry_id.decode(), self._ack(entry_id))
+            return
+        self._ready.append(Ready(request, entry_id, next(self._arrivals)))
+
+    def _drop_entry(self, entry_id: bytes, reason: str, exc_info: bool = False) -> None:
+        item_failed(INBOX_ITEMS)
+        key = entry_id.decode(errors="replace")
+        log.error("poison inbox entry dropped", entry=key, reason=reason, exc_info=exc_info)
+        self._spawn(key, self._ack(entry_id))
+
+    def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
+        self._team_of[request.request_id] = request.team
+        if request.priority is Priority.BATCH:
+            self._batch_running.add(request.request_id)
+        self._running_by_team[request.team] += 1
+        self._spawn(request.request_id, self._serve(request, entry_id))
+
+    def _spawn(self, key: str, coro: Any) -> None:
+        task = asyncio.create_task(coro, name=f"serve-{key}")
+        self._tasks[key] = task
+        task.add_done_callback(lambda t: self._ended(key, t))
+
+    def _ended(self, key: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # Raised past its own handling (acknowledging, releasing): the entry stays for recovery.
+            item_failed(REQUEST_ITEMS)
+            log.error("request task failed", key=key, exc_info=task.exception())
+        self._tasks.pop(key, None)
+        self._batch_running.discard(key)
+        team = self._team_of.pop(key, None)
+        if team is not None:
+            self._finished[key] = None
+            if len(self._finished) > RECENT_REQUESTS:
+                self._finished.popitem(last=False)
+            self._running_by_team[team] -= 1
+            if not self._running_by_team[team]:
+                del self._running_by_team[team]
+        self._beat_soon.set()
+
+    def _on_cancel(self, data: bytes) -> None:
+        try:
+            notice = decode(CancelNotice, data)
+        except SchemaError as exc:
+            log.warning("bad cancel notice", reason=str(exc))
+            return
+        task = self._tasks.get(notice.request_id)
+        if task is not None:
+            log.info("cancelling request", request_id=notice.request_id, reason=notice.reason)
+            task.cancel()
