@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from dispatcher.scorers import Candidates, default_weights, weighted_sum
+from dispatcher.scorers import Candidates, default_weights, weighted_sum, weights_problem
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 
@@ -43,6 +43,11 @@ class PlacementPolicy:
     queue_depth: Literal["derived", "fixed"] = "derived"
     refill_s: float = 0.1
     min_queue: int = 2
+
+    def __post_init__(self) -> None:
+        problem = weights_problem(self.weights)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,7 @@ def waits_for_affinity(
 
 
 def holds_adapter(worker: WorkerSnapshot, demand: Demand) -> bool:
+    """Whether the worker holds the request's adapter (always, for a request without one)."""
     return demand.adapter is None or demand.adapter in worker.heartbeat.adapters
 
 
@@ -189,12 +195,7 @@ def candidates(workers: Sequence[WorkerSnapshot], demand: Demand, policy: Placem
         queue=np.array(queues),
         queue_lo=min(queues, default=0.0),
         queue_hi=max(queues, default=0.0),
-        adapter_held=np.array(
-            [
-                1.0 if demand.adapter is None or demand.adapter in w.heartbeat.adapters else 0.0
-                for w in workers
-            ]
-        ),
+        adapter_held=np.array([1.0 if holds_adapter(w, demand) else 0.0 for w in workers]),
     )
 
 

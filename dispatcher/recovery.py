@@ -4,7 +4,7 @@ One dispatcher wins a short lock per lost worker, reads every entry left in its 
 deleted when a worker finishes them, so what remains never finished) and clears the worker's keys. The
 returned requests go back into the hold, placed whole or as the continuation of what their replay log
 shows was delivered (dispatcher.migration); the placement script checks, atomically, that the log has
-not grown since it was read (dispatcher.acts.PLACE_SCRIPT).
+not grown since it was read (plumbing.protocol.request.PLACE_SCRIPT).
 """
 
 from __future__ import annotations

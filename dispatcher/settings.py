@@ -1,8 +1,10 @@
 from __future__ import annotations
 
-from typing import Literal
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from dispatcher.placement import PlacementPolicy
 from dispatcher.scorers import default_weights, weights_problem
@@ -67,6 +69,14 @@ class DispatcherSettings(BusSettings):
     )
     spill_after_s: float = Field(default=5.0, ge=0, description="how long a request holds out for its prefix")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_retired_weights(cls, data: Any) -> Any:
+        problem = retired_weights(os.environ)
+        if problem is not None:
+            raise ValueError(problem)
+        return data
+
     @field_validator("scorer_weights")
     @classmethod
     def _known_scorers(cls, weights: dict[str, float]) -> dict[str, float]:
@@ -88,3 +98,16 @@ class DispatcherSettings(BusSettings):
             spill_tokens=self.spill_tokens,
             spill_after_s=self.spill_after_s,
         )
+
+
+RETIRED_WEIGHTS = {"SLUICE_PREFIX_WEIGHT": "prefix", "SLUICE_KV_WEIGHT": "kv", "SLUICE_QUEUE_WEIGHT": "queue"}
+
+
+def retired_weights(environ: Mapping[str, str]) -> str | None:
+    """Why the environment cannot be used: it sets a weight by a name the settings no longer have (it
+    would be ignored, and the default weight used)."""
+    for name, scorer in RETIRED_WEIGHTS.items():
+        if name in environ:
+            example = f'{{"{scorer}": {environ[name]}}}'
+            return f"{name} is replaced by SLUICE_SCORER_WEIGHTS (JSON), e.g. '{example}'"
+    return None

@@ -1,7 +1,7 @@
 """What a worker decides about a request before starting it, and facts about its own process.
 
-BEGIN_SCRIPT runs atomically when a request is about to start; `start_refusal` is the pure check that
-comes first.
+plumbing.protocol.request.BEGIN_SCRIPT runs atomically when a request is about to start;
+`start_refusal` is the pure check that comes first.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class BatchKeeper:
         self.file_expiry_s = file_expiry_s
         self.batch_retain_s = batch_retain_s
         self.interval_s = interval_s
+        self._lease = redis.register_script(LEASE_SCRIPT)
         self.collector = AnswerCollector(redis, names, kafka_options, interval_s, self.liveness)
         self.holder = secrets.token_hex(8)
         pem, self._public, self.key_id = new_signing_key()
@@ -185,7 +186,7 @@ class BatchKeeper:
             error=type(exc).__name__, exc_info=exc,
         )  # fmt: skip
         if faults >= STEP_FAULTS:
-            item_failed("ingress.batches.keeper")
+            item_failed("ingress.batch_keeper")
             await self._fail(team, batch_id, f"The batch could not be processed ({type(exc).__name__}).")
 
     async def _fail(self, team: str, batch_id: str, message: str) -> None:
@@ -203,7 +204,7 @@ class BatchKeeper:
         """Whether this keeper holds the batch's lease, claimed if free or renewed if its own, in one
         script (the dispatchers' partition leases); `action` 'renew' only renews."""
         key = self.names.batch_lease(team, batch_id)
-        held = await self.redis.eval(LEASE_SCRIPT, 1, key, self.holder, LEASE_MS, action)
+        held = await self._lease(keys=[key], args=[self.holder, LEASE_MS, action])
         return bool(held[0])
 
     async def _step(self, team: str, batch_id: str) -> None:

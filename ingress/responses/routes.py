@@ -1,5 +1,5 @@
 """The Responses API: create (streamed or not, in the foreground or the background), retrieve, resume a
-stream, cancel and delete. A request is served as the chat request it maps onto (routes.admit, the same
+stream, cancel and delete. A request is served as the chat request it maps onto (pipeline.admit, the same
 queue and engines); its events are made from its request's chunks (ingress.responses.events).
 
 A foreground stream whose client goes away is cancelled, as a chat stream is. A background response

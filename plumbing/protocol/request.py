@@ -44,7 +44,7 @@ def served_already(
 ) -> bool:
     """Whether a request needs nothing more, by its marks: answered, or started by the worker holding its
     claim. A claim alone is not enough: a dispatcher that died between claiming and appending to the
-    worker's inbox left a request nobody runs. SERVED_ALREADY is the same rule inside a script."""
+    worker's inbox left a request nobody runs. `served_already_lua` is the same rule inside a script."""
     return answered is not None or (owner is not None and _text(started) == _text(owner))
 
 

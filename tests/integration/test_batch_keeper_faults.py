@@ -161,12 +161,12 @@ async def test_a_batch_whose_step_raises_fails_alone(bus: Bus, tmp_path: Path) -
         raw = await h.redis.get(h.names.file_record("mallory", file_id))
         record = FileRecord.model_validate_json(raw or b"")
         await h.keeper.store.put(record.key, b'{"custom_id": 1}\n' * 3)
-        failed_before = ITEMS_FAILED.labels("ingress.batches.keeper")._value.get()
+        failed_before = ITEMS_FAILED.labels("ingress.batch_keeper")._value.get()
         await h.rounds(STEP_FAULTS + 2)
         bad = await h.fields("mallory", poisoned)
         assert bad["status"] == "failed"
         assert "could not be processed (ValueError)" in bad["errors"]
-        assert ITEMS_FAILED.labels("ingress.batches.keeper")._value.get() == failed_before + 1
+        assert ITEMS_FAILED.labels("ingress.batch_keeper")._value.get() == failed_before + 1
         good = await h.fields("acme", healthy)
         assert good["status"] == "in_progress"
         assert good["cursor"] == "3"

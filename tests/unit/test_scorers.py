@@ -68,3 +68,14 @@ def test_the_settings_refuse_a_scorer_that_is_not_registered() -> None:
         DispatcherSettings(pool="p", scorer_weights={"kv": -1.0})
     partial = DispatcherSettings(pool="p", scorer_weights={"adapter": 0.0}).policy().weights
     assert partial == {**default_weights(), "adapter": 0.0}
+
+
+def test_a_weight_set_by_its_retired_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_PREFIX_WEIGHT", "3")
+    with pytest.raises(ValidationError, match="SLUICE_SCORER_WEIGHTS"):
+        DispatcherSettings(pool="p")
+
+
+def test_a_policy_naming_no_scorer_is_refused() -> None:
+    with pytest.raises(ValueError, match="no scorer is named 'recency'"):
+        PlacementPolicy(weights={"recency": 1.0})
