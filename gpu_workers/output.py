@@ -16,6 +16,7 @@ from plumbing.clients import with_backoff
 from plumbing.protocol.request import chunk_args
 from plumbing.publisher import PipelinedPublisher
 from plumbing.replay import is_terminal, log_ttl_ms
+from plumbing.retry import doubling
 from queue_schemas.batch import BatchAnswer, failed_answer
 from queue_schemas.codec import encode
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk
@@ -81,17 +82,17 @@ class RequestOutput:
         command = self._publish_command if publish else ""
         keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, command)
         give_up = time.monotonic() + self._outage_s
-        delay = 0.05
+        delays = doubling(0.05, 1.0)
         while True:
             try:
                 written = await self._publisher.run(keys, args)
                 break
             except (RedisError, OSError) as exc:
+                delay = next(delays)
                 if time.monotonic() + delay > give_up:
                     raise
                 log.warning("chunk not written; retrying", request_id=chunk.request_id, error=str(exc))
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
         if not written:
             raise Moved(chunk.request_id)
 

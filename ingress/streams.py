@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from plumbing.clients import as_cluster
 from plumbing.health import Liveness, item_failed
+from plumbing.retry import doubling
 
 log = structlog.get_logger("sluice.ingress.streams")
 
@@ -373,7 +374,7 @@ class StreamHub:
 
     # reading
     async def _run(self, shard: _Shard) -> None:
-        delay = 0.1
+        delays = doubling(0.1, 1.0)
         lost_at: float | None = None
         while not shard.retired:
             self.liveness.beat(reader_name(shard.name))
@@ -381,7 +382,7 @@ class StreamHub:
                 await self._connect(shard)
                 if lost_at is not None:
                     log.info("pub/sub connection back", shard=shard.name, streams=len(shard.channels))
-                lost_at, delay = None, 0.1
+                lost_at, delays = None, doubling(0.1, 1.0)
                 await self._read_forever(shard)
             except asyncio.CancelledError:
                 raise
@@ -402,8 +403,7 @@ class StreamHub:
                     return
             if now - lost_at >= self._outage_s:
                 self._fail(shard, HubDisconnected("pub/sub connection lost; the stream may be incomplete"))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            await asyncio.sleep(next(delays))
 
     def _owns_slots(self, shard: _Shard) -> bool:
         assert self._cluster is not None

@@ -22,6 +22,7 @@ from redis.exceptions import ClusterDownError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from plumbing.retry import doubling
 from queue_schemas.settings import BusSettings
 
 T = TypeVar("T")
@@ -69,7 +70,7 @@ class FailoverTolerantCluster(RedisCluster):
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         give_up = time.monotonic() + self.failover_s
-        delay = 0.05
+        delays = doubling(0.05, 1.0)
         while True:
             try:
                 return await super().execute_command(*args, **kwargs)
@@ -81,10 +82,10 @@ class FailoverTolerantCluster(RedisCluster):
                 if "NoneType" not in str(exc):
                     raise
                 error = RedisConnectionError(f"connection closed during a failover: {exc}")
+            delay = next(delays)
             if time.monotonic() + delay > give_up:
                 raise error
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
 
 
 def _cluster_client(settings: BusSettings, options: dict[str, Any], retry: bool) -> aioredis.Redis:
@@ -239,7 +240,7 @@ async def with_backoff(
 
     Raises BusUnavailable, naming `what` and the last error, when every attempt failed.
     """
-    delay = first_delay
+    delays = doubling(first_delay, max_delay)
     for attempt in range(1, attempts + 1):
         try:
             return await action()
@@ -248,8 +249,7 @@ async def with_backoff(
             if attempt == attempts:
                 raise BusUnavailable(f"{what} failed {attempts} times; last error: {reason}") from exc
             log.warning("retrying", what=what, attempt=attempt, error=reason)
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, max_delay)
+            await asyncio.sleep(next(delays) * (0.5 + random.random()))
     raise AssertionError("unreachable")
 
 
