@@ -63,7 +63,7 @@ class Beats(WorkerParts):
                 log.info("drain requested" if asked else "drain withdrawn", worker=self.settings.worker_id)
             self.state = state
         # Awaited before the fields are read, so one heartbeat never mixes states from either side of it.
-        inbox_pending = await self.inbox.undelivered() + len(self._ready)
+        inbox_pending = await self.inbox.undelivered() + len(self.slots.ready)
         self._hb_seq += 1
         hb = heartbeat(
             self.settings, self.model, self.vitals(), engine_load(self.engine.stats(), len(self._tasks)),

@@ -10,12 +10,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gpu_workers.inbox import Entry
-from gpu_workers.parts import CONSUME_ROUND_S, INBOX_ITEMS, INBOX_LOOP, RECENT_REQUESTS, REQUEST_ITEMS, log
-from gpu_workers.presence import (
-    Ready,
-    next_light,
-    next_to_start,
-)
+from gpu_workers.parts import CONSUME_ROUND_S, INBOX_ITEMS, INBOX_LOOP, REQUEST_ITEMS, log
 from gpu_workers.serving import Serving
 from plumbing.health import item_failed
 from queue_schemas.codec import decode
@@ -23,7 +18,6 @@ from queue_schemas.errors import SchemaError
 from queue_schemas.messages import (
     CancelNotice,
     InferenceRequest,
-    Priority,
 )
 from queue_schemas.names import INBOX_FIELD
 
@@ -39,7 +33,8 @@ class Consuming(Serving):
             while not until():
                 self.liveness.beat(INBOX_LOOP)
                 self._start_ready()
-                room = self.max_running + self.settings.inbox_lookahead - len(self._tasks) - len(self._ready)
+                read_ahead = self.max_running + self.settings.inbox_lookahead - len(self._tasks)
+                room = read_ahead - len(self.slots.ready)
                 if reader is None and room > 0:
                     reader = asyncio.create_task(self.inbox.read(room, block_ms=200), name="inbox-read")
                 waiting: set[asyncio.Future[Any]] = set(self._tasks.values())
@@ -72,23 +67,11 @@ class Consuming(Serving):
                 self._accept(entry_id, fields)
             except Exception:  # an entry this worker cannot take: it is dropped alone
                 self._drop_entry(entry_id, "the entry could not be taken", exc_info=True)
-        self._inbox_seen_empty = not entries and not self._ready
+        self._inbox_seen_empty = not entries and not self.slots.ready
 
     def _start_ready(self) -> None:
-        """Fill free slots from the ready entries: a stated slot takes the best of them (`next_to_start`;
-        a batch entry only while batch holds fewer than `batch_slots`), a light slot only an interactive
-        entry of a team under its share (`next_light`)."""
-        while self._ready:
-            if len(self._tasks) < self.max_running:
-                room = len(self._batch_running) < self.batch_slots
-                chosen: int | None = next_to_start(self._ready, self._running_by_team, room)
-            elif len(self._tasks) < self.max_running + self.light_slots:
-                chosen = next_light(self._ready, self._running_by_team, self.max_running)
-            else:
-                chosen = None
-            if chosen is None:
-                return
-            ready = self._ready.pop(chosen)
+        """Fill free slots from the ready entries (`Slots.next` says which each takes)."""
+        while (ready := self.slots.next(len(self._tasks))) is not None:
             self._start(ready.request, ready.entry_id)
 
     def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
@@ -98,12 +81,12 @@ class Consuming(Serving):
             self._drop_entry(entry_id, str(exc))
             return
         rid = request.request_id
-        if rid in self._tasks or any(r.request.request_id == rid for r in self._ready):
+        if rid in self._tasks or self.slots.knows(rid):
             return
-        if rid in self._finished:  # appended again by a dispatcher that could not know it had arrived
+        if self.slots.finished(rid):  # appended again by a dispatcher that could not know it had arrived
             self._spawn(entry_id.decode(), self._ack(entry_id))
             return
-        self._ready.append(Ready(request, entry_id, next(self._arrivals)))
+        self.slots.wait(request, entry_id)
 
     def _drop_entry(self, entry_id: bytes, reason: str, exc_info: bool = False) -> None:
         item_failed(INBOX_ITEMS)
@@ -112,10 +95,7 @@ class Consuming(Serving):
         self._spawn(key, self._ack(entry_id))
 
     def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
-        self._team_of[request.request_id] = request.team
-        if request.priority is Priority.BATCH:
-            self._batch_running.add(request.request_id)
-        self._running_by_team[request.team] += 1
+        self.slots.started(request)
         self._spawn(request.request_id, self._serve(request, entry_id))
 
     def _spawn(self, key: str, coro: Any) -> None:
@@ -129,15 +109,7 @@ class Consuming(Serving):
             item_failed(REQUEST_ITEMS)
             log.error("request task failed", key=key, exc_info=task.exception())
         self._tasks.pop(key, None)
-        self._batch_running.discard(key)
-        team = self._team_of.pop(key, None)
-        if team is not None:
-            self._finished[key] = None
-            if len(self._finished) > RECENT_REQUESTS:
-                self._finished.popitem(last=False)
-            self._running_by_team[team] -= 1
-            if not self._running_by_team[team]:
-                del self._running_by_team[team]
+        self.slots.ended(key)
         self._beat_soon.set()
 
     def _on_cancel(self, data: bytes) -> None:

@@ -4,8 +4,6 @@ that each part (consuming, serving, beats) is typed against them."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections import Counter, OrderedDict
 
 import redis.asyncio as aioredis
 import structlog
@@ -15,15 +13,15 @@ from gpu_workers.engine import Engine
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.prefill import HandoffDesk
-from gpu_workers.presence import CompletionRate, Ready
+from gpu_workers.presence import CompletionRate
 from gpu_workers.settings import WorkerSettings
+from gpu_workers.slots import Slots
 from plumbing.answers import AnswerSink
 from plumbing.health import Liveness
 from plumbing.publisher import PipelinedPublisher
 from queue_schemas.messages import WorkerState
 from queue_schemas.names import Names
 
-RECENT_REQUESTS = 4096  # request ids a worker remembers having run, to drop an entry appended twice
 log = structlog.get_logger("sluice.worker")
 
 KV_PUBLISH_INTERVAL_S = 0.05
@@ -53,16 +51,7 @@ class WorkerParts:
     started_at: float
     load_seconds: float | None
     _tasks: dict[str, asyncio.Task[None]]
-    # Entries read from the inbox and not started yet: a slot that frees takes the best of them
-    # (`next_to_start`), not the oldest. They stay unacknowledged in the inbox, so a dispatcher recovers
-    # them with the running ones if this worker is lost.
-    _ready: list[Ready]
-    _finished: OrderedDict[str, None]  # recent request ids, oldest first
-    _arrivals: itertools.count[int]
-    _team_of: dict[str, str]  # request id -> team, of the requests running here
-    _running_by_team: Counter[str]
-    _batch_running: set[str]  # request ids of the batch requests running here
-    batch_slots: int
+    slots: Slots  # what waits and runs here
     _hb_seq: int
     _beat_soon: asyncio.Event
     inbox: Inbox

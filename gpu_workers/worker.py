@@ -11,9 +11,7 @@ attributes and constants in gpu_workers.parts; this module holds start, drain an
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections import Counter, OrderedDict
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -28,13 +26,13 @@ from gpu_workers.parts import CONSUME_ROUND_S, INBOX_LOOP, KV_PUBLISH_INTERVAL_S
 from gpu_workers.prefill import HandoffDesk
 from gpu_workers.presence import (
     CompletionRate,
-    Ready,
     batch_slots,
     leave_pool,
     stale_after_s,
     write_state_file,
 )
 from gpu_workers.settings import WorkerSettings
+from gpu_workers.slots import Slots
 from gpu_workers.starting import process_started_at
 from plumbing.answers import AnswerSink
 from plumbing.clients import producer_options
@@ -75,16 +73,9 @@ class Worker(Consuming, Beats):
         self.started_at = process_started_at()
         self.load_seconds: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        # Entries read from the inbox and not started yet: a slot that frees takes the best of them
-        # (`next_to_start`), not the oldest. They stay unacknowledged in the inbox, so a dispatcher
-        # recovers them with the running ones if this worker is lost.
-        self._ready: list[Ready] = []
-        self._finished: OrderedDict[str, None] = OrderedDict()  # recent request ids, oldest first
-        self._arrivals = itertools.count()
-        self._team_of: dict[str, str] = {}  # request id -> team, of the requests running here
-        self._running_by_team: Counter[str] = Counter()
-        self._batch_running: set[str] = set()  # request ids of the batch requests running here
-        self.batch_slots = batch_slots(max_running, settings.batch_headroom_fraction)
+        self.slots = Slots(
+            max_running, light_slots, batch_slots(max_running, settings.batch_headroom_fraction)
+        )
         self._hb_seq = 0
         self._beat_soon = asyncio.Event()
         self.inbox = Inbox(redis, self.names, settings.worker_id)
