@@ -7,21 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpu_workers.engine import (
-    RequestFailed,
-    StartFailed,
-)
-from queue_schemas.config import (
-    HANDOFF_CONNECTOR,
-    HANDOFF_CONNECTOR_MODULE,
-    KV_CONNECTOR_ROLES,
-    PoolConfig,
-    VllmEngineConfig,
-)
+from gpu_workers.engine import RequestFailed, StartFailed
+from queue_schemas.config import HANDOFF_CONNECTOR, KV_CONNECTOR_ROLES, PoolConfig, VllmEngineConfig
 from queue_schemas.messages import FinishReason, InferenceRequest, KvRole
 
 KV_TOPIC = b"kv"  # the topic of the engine's KV-cache events
 NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Where vLLM imports sluice's shared-storage handoff connector from (a path, so that vLLM, not this
+# module, imports it: it imports vLLM).
+HANDOFF_CONNECTOR_MODULE = "gpu_workers.kv_handoff"
 
 
 def cpu_thread_binding(cores: list[int], tensor_parallel_size: int) -> str:

@@ -64,10 +64,9 @@ class SimulatedEngineConfig(BaseModel):
         return self
 
 
-# sluice's shared-storage connector (gpu_workers.kv_handoff): vLLM's ExampleConnector, saving and loading
-# only handoffs, each under its own secret id.
+# sluice's shared-storage connector (the worker's handoff connector): vLLM's ExampleConnector, saving and
+# loading only handoffs, each under its own secret id.
 HANDOFF_CONNECTOR = "SluiceHandoffConnector"
-HANDOFF_CONNECTOR_MODULE = "gpu_workers.kv_handoff"
 KV_CONNECTOR_ROLES: dict[str, str] = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 
 

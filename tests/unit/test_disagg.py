@@ -3,6 +3,7 @@ parts (connector parameters, KV folders, the sweep), prefill sizing and the conf
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import secrets
@@ -25,14 +26,8 @@ from gpu_workers.handoff import (
     transfer_params,
 )
 from gpu_workers.prefill import expected_rows, prefill_request, saved_rows
-from gpu_workers.vllm_args import engine_arguments
-from queue_schemas.config import (
-    HANDOFF_CONNECTOR,
-    HANDOFF_CONNECTOR_MODULE,
-    DisaggregationConfig,
-    PoolConfig,
-    PrefillGroup,
-)
+from gpu_workers.vllm_args import HANDOFF_CONNECTOR_MODULE, engine_arguments
+from queue_schemas.config import HANDOFF_CONNECTOR, DisaggregationConfig, PoolConfig, PrefillGroup
 from queue_schemas.messages import Handoff, Heartbeat, InferenceRequest, KvRole, SamplingParams, WorkerState
 from queue_schemas.names import Names
 from scaler.policy import prefill_target
@@ -282,6 +277,7 @@ def test_the_handoff_connector_is_loaded_from_sluice_and_a_prefill_step_takes_a_
     prefill = engine_arguments(config, Path("/m"), False, None, on_gpu=False, role="prefill")
     transfer = prefill["kv_transfer_config"]
     assert transfer["kv_connector_module_path"] == HANDOFF_CONNECTOR_MODULE
+    assert importlib.util.find_spec(HANDOFF_CONNECTOR_MODULE) is not None  # a module vLLM can import
     assert transfer["kv_role"] == "kv_producer"
     assert transfer["kv_load_failure_policy"] == "recompute"
     assert prefill["max_num_batched_tokens"] == config.context_tokens

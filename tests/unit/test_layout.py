@@ -45,6 +45,7 @@ def test_the_contract_imports_no_io_library_and_no_other_sluice_package() -> Non
 
 @pytest.mark.parametrize("package", SHARED)
 def test_the_shared_packages_import_no_service(package: str) -> None:
+    assert (ROOT / package / "__init__.py").is_file()
     assert imported_top_levels(package) & {*SERVICES, "infra", "bench", "tests"} == set()
 
 
