@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -33,9 +34,13 @@ from plumbing.health import Liveness
 from plumbing.model_store import ModelStore
 
 log = structlog.get_logger("sluice.ingress")
+UPLOAD_SWITCH_INTERVAL_S = 0.001
 
 
 def create_app(settings: IngressSettings) -> FastAPI:
+    # Uploads are checked on threads of their own; a short switch interval lets the event loop take the
+    # interpreter back within a millisecond of wanting it, so a large upload never stalls other streams.
+    sys.setswitchinterval(UPLOAD_SWITCH_INTERVAL_S)
     pools = settings.load_pools()
     store = ModelStore(settings.model_cache_dir)
     log.info("loading tokenizers", pools=[p.name for p in pools.pools])
