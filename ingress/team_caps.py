@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from ingress.batches.api import as_text
 from openai_api.errors import InvalidRequest, ServiceUnavailable
 from plumbing.protocol.batches import GIVE_SCRIPT, RESPONSE_SCRIPT, TAKE_SCRIPT, responses_keys, storage_keys
 from queue_schemas.names import Names
@@ -88,7 +89,7 @@ class TeamStorage:
             raw = await self._redis.hgetall(self._names.team_storage(team))
         except RedisError as exc:
             raise ServiceUnavailable("The file index is unreachable; retry shortly.") from exc
-        held = {_text(k): int(v) for k, v in raw.items()}
+        held = {as_text(k): int(v) for k, v in raw.items()}
         field = first_over(held, amounts, self.caps)
         if field is not None:
             message = CAP_MESSAGES[field].format(cap=cap_of(self.caps, field))
@@ -118,7 +119,3 @@ class TeamStorage:
 
     async def drop_response(self, team: str, response_id: str) -> None:
         await self._redis.zrem(self._names.team_responses(team), response_id)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
