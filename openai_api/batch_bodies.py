@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from openai_api.openai_types import ResponseShape
 from openai_api.structured import ToolCallPlan, completion_body
-
 from queue_schemas.batch import BatchAnswer, http_answer
 from queue_schemas.messages import BatchTicket, FinishReason, InferenceRequest, Usage
 
