@@ -48,10 +48,10 @@ $(PROMTOOL):
 promtool: $(PROMTOOL)
 
 test: lint typecheck browser promtool
-	HF_HUB_OFFLINE=1 $(BIN)/pytest
+	HF_HUB_OFFLINE=1 $(BIN)/pytest --durations=25
 
 # The quick loop: lint, types and the unit tier (under a minute).
-check: lint typecheck
+check: lint typecheck promtool
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -m unit -q
 
 clean:

@@ -34,8 +34,8 @@ import httpx
 
 from bench.live import dev_stack, stream_chat
 from infra.devstack import Endpoints
-from infra.launcher import child_pids
 from infra.models import prepare_smollm2
+from plumbing.processes import child_pids
 
 MODEL = "smollm2-135m-instruct"
 MODELS = Path(".sluice/models")

@@ -31,9 +31,9 @@ import redis.asyncio as aioredis
 from bench.live import dev_stack
 from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
-from infra.launcher import child_pids
 from openai_api.openai_types import ChatMessage
 from openai_api.tokenizer import ByteTokenizer
+from plumbing.processes import child_pids
 from queue_schemas.settings import BusSettings
 
 WORDS = 30

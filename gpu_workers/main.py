@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import signal
+import sys
 
 import uvloop
 from redis.asyncio import Redis
@@ -15,6 +19,7 @@ from gpu_workers.settings import WorkerSettings
 from gpu_workers.worker import Worker
 from plumbing.clients import configure_logging, redis_client
 from plumbing.health import Liveness, serve_metrics_and_health
+from plumbing.processes import descendants
 from queue_schemas.config import ConfigError, PoolConfig
 
 
@@ -52,9 +57,24 @@ async def serve(settings: WorkerSettings, liveness: Liveness | None = None) -> i
     )  # fmt: skip
     worker.tensor_parallel_size = pool.tensor_parallel_size
     try:
-        return await worker.run(stop)
+        code = await worker.run(stop)
     finally:
         await redis.aclose()
+    if worker.stopped_starting:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """Leave without waiting for the engine's loader thread, which cannot be interrupted: the processes
+    the engine has started so far are killed first, so none outlives the worker."""
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(settings: WorkerSettings) -> None:

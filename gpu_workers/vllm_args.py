@@ -29,6 +29,29 @@ def cpu_thread_binding(cores: list[int], tensor_parallel_size: int) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
+def cpu_environment(config: VllmEngineConfig, cores: list[int], tensor_parallel_size: int) -> dict[str, str]:
+    """The OpenMP settings of an engine on CPU, given the cores this process may use.
+
+    - Threads per rank: the pool's `cpu_threads`, else the cores split between the ranks.
+    - Binding: tensor-parallel ranks get one contiguous group of cores each. A one-rank engine of a
+      pool that names `cpu_threads` shares the host with others (several workers on one machine):
+      vLLM's automatic binding would put every such engine on the same first core, so the OS places
+      its threads instead. Otherwise vLLM binds automatically.
+    - A KV connector: vLLM reserves one more core per rank for it; on a small machine that leaves none,
+      and it binds the model to every core instead. Reserve as without a connector, so a pool's prefill
+      and decode engines compute as a connector-less engine does.
+    """
+    tp = tensor_parallel_size
+    wanted = {"OMP_NUM_THREADS": str(config.cpu_threads or max(1, len(cores) // tp))}
+    if tp > 1:
+        wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cores, tp)
+    elif config.cpu_threads is not None:
+        wanted["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if config.kv_connector is not None:
+        wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
+    return wanted
+
+
 def speculative_config(config: VllmEngineConfig, enabled: bool) -> dict[str, Any] | None:
     if not enabled:
         return None

@@ -31,7 +31,7 @@ from gpu_workers.handoff import KvTransfer, transfer_params
 from gpu_workers.kv_translate import KvTranslator, salt_of
 from gpu_workers.vllm_args import (
     KV_TOPIC,
-    cpu_thread_binding,
+    cpu_environment,
     engine_arguments,
     finish_reason,
     sampling_arguments,
@@ -134,15 +134,7 @@ class VllmEngine:
         if _has_cuda():
             return {}
         cores = sorted(os.sched_getaffinity(0))
-        tp = self._pool.tensor_parallel_size
-        wanted = {"OMP_NUM_THREADS": str(config.cpu_threads or max(1, len(cores) // tp))}
-        if tp > 1:
-            wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cores, tp)
-        if config.kv_connector is not None:
-            # vLLM reserves one more core per rank for a KV connector; on a small machine that leaves
-            # none, and it binds the model to every core instead. Reserve as without a connector, so a
-            # pool's prefill and decode engines compute as a connector-less engine does.
-            wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
+        wanted = cpu_environment(config, cores, self._pool.tensor_parallel_size)
         return {k: v for k, v in wanted.items() if k not in os.environ}
 
     def _listen_for_kv_events(self) -> str:

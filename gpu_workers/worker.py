@@ -88,6 +88,7 @@ class Worker(Consuming, Beats):
         self.tensor_parallel_size = 1
         self._abort_reason: tuple[str, str] = (ErrorCode.CANCELLED, "the request was cancelled")
         self._exiting = False  # draining to exit (a stop), not at the scaler's request
+        self.stopped_starting = False  # stopped before the engine was up: nothing to drain
         self.answers = AnswerSink(
             redis,
             self.names,
@@ -103,10 +104,14 @@ class Worker(Consuming, Beats):
         try:
             t0 = time.monotonic()
             try:
-                await self.engine.start()
+                started = await self._start_engine(stop)
             except EngineError as exc:
                 await self._fail_worker(f"engine did not start: {exc}")
                 return 1
+            if not started:
+                log.info("stopped while the engine was starting", worker=self.settings.worker_id)
+                self.stopped_starting = True
+                return 0
             self.load_seconds = time.monotonic() - t0
             await self.kv.reset()
             await self.inbox.ensure()
@@ -139,6 +144,21 @@ class Worker(Consuming, Beats):
             await self.publisher.close()
             await self.answers.close()
             await self.engine.close()
+
+    async def _start_engine(self, stop: asyncio.Event) -> bool:
+        """Start the engine; False if `stop` is set first. Nothing is placed on a worker before it is
+        ready, so a stop during a start-up of minutes has nothing to wait for."""
+        starting = asyncio.ensure_future(self.engine.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            return False
+        starting.result()
+        return True
 
     def _start_background(self) -> set[asyncio.Task[None]]:
         """The worker's background loops, each watched by `liveness`; those with a rhythm also beat."""

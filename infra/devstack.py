@@ -297,10 +297,15 @@ class DevStack:
         return self.resume(name)
 
     def stop(self) -> None:
-        """Stop the services together (they drain), then Redis and the broker."""
+        """Stop the services together (they drain), then Redis and the broker. The scaler alone is sent
+        the signal, not its process group: it stops its workers itself, as it does anywhere, rather than
+        seeing them exit under it and starting them again."""
         services = [p for p in self.processes if not _is_infra(p)]
         for proc in services:
-            proc.terminate()
+            if proc.name == "scaler":
+                proc.signal_leader()
+            else:
+                proc.terminate()
         deadline = time.monotonic() + SERVICE_STOP_TIMEOUT_S
         for proc in services:
             proc.wait_stopped(max(0.0, deadline - time.monotonic()))

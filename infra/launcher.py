@@ -86,6 +86,12 @@ class ManagedProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.popen.pid, signal.SIGTERM)
 
+    def signal_leader(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Signal the child alone, not the processes it started in its group."""
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.popen.pid, sig)
+
     def wait_stopped(self, timeout: float) -> None:
         """Wait up to `timeout` seconds, then SIGKILL whatever is left of the group."""
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -316,17 +322,3 @@ def start_object_store(port: int, log_dir: Path) -> ManagedProcess:
     proc = spawn("object-store", argv, log_dir)
     wait_until(proc, lambda: tcp_open(port), "object store", timeout=30)
     return proc
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (the scaler's local backend starts the workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found

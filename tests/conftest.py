@@ -27,13 +27,17 @@ TIERS = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on."""
+    """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on.
+    The tiers run in the order of `TIERS`, the fastest signal first; within a tier, in collection order."""
     root = Path(__file__).parent
+    tiers: dict[str, int] = {}
     for item in items:
         tier = item.path.relative_to(root).parts[0]
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
+        tiers[item.nodeid] = TIERS.index(tier)
+    items.sort(key=lambda item: tiers[item.nodeid])  # stable: collection order within a tier
     _own_stacks_first(items)
 
 

@@ -36,11 +36,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpu_workers.simulated import answer_to, apply_stops
 from infra.devstack import DevStack, Endpoints
 from infra.keys import set_reply_prefixes
-from infra.launcher import ManagedProcess, child_pids, free_port, start_object_store
+from infra.launcher import ManagedProcess, free_port, start_object_store
 from infra.usage_cli import read_usage
 from openai_api.openai_types import ChatMessage
 from openai_api.tokenizer import ByteTokenizer
 from plumbing.clients import redis_client
+from plumbing.processes import child_pids
 from queue_schemas.codec import decode, encode
 from queue_schemas.messages import Heartbeat
 from queue_schemas.settings import BusSettings

@@ -10,10 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,92 +23,16 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from pydantic import BaseModel, Field, SecretStr
 
 from gpu_workers.kv_publisher import KvMirror
-from infra.models import build_tiny_llama
 from openai_api.openai_types import ChatMessage
 from openai_api.tokenizer import HFTokenizer
 from queue_schemas.codec import decode
-from queue_schemas.messages import Heartbeat, KvEvent
+from queue_schemas.messages import KvEvent
 from queue_schemas.names import Names
 from queue_schemas.prefix import block_hashes, cache_salt
+from tests.e2e.dev_cli import DevRun, pid_alive, processes_with_env, sluice_dev
 
 MODEL = "smollm2-135m-instruct"
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for every purpose but its exit status.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
-
-
-def processes_with_env(name: str, value: str) -> list[int]:
-    """Live processes whose environment has name=value (the stack's children all carry its Redis URL)."""
-    wanted = f"{name}={value}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if wanted in environ.split(b"\0") and pid_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
-@dataclass
-class DevRun:
-    proc: subprocess.Popen[str]
-    workdir: Path
-    stderr_path: Path
-    env: dict[str, str]
-    pids: dict[str, int]
-    curl_line: str
-
-
-@contextmanager
-def sluice_dev(tmp: Path, *options: str) -> Iterator[DevRun]:
-    """`sluice dev` in a subprocess, up; stopped with Ctrl-C on the way out if it is still running."""
-    workdir, stderr_path = tmp / "dev", tmp / "dev.stderr"
-    argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir), *options]
-    with (
-        stderr_path.open("w") as stderr,
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True) as proc,
-    ):
-        try:
-            yield _wait_for_stack(proc, workdir, stderr_path)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-
-async def pool_heartbeats(redis_url: str, pool: str) -> list[Heartbeat]:
-    """The live heartbeats of a pool's workers."""
-    redis = aioredis.Redis.from_url(redis_url)
-    try:
-        keys = [key async for key in redis.scan_iter(match=Names().heartbeat(pool, "*"))]
-        return [decode(Heartbeat, raw) for raw in await redis.mget(keys) if raw] if keys else []
-    finally:
-        await redis.aclose()
-
-
-async def wait_ready(redis_url: str, wanted: dict[str, int]) -> None:
-    """Until each pool has at least its number of ready workers (engines load for up to 10 minutes)."""
-    for _ in range(1200):
-        beats = {pool: await pool_heartbeats(redis_url, pool) for pool in wanted}
-        if all(sum(hb.state == "ready" for hb in beats[pool]) >= n for pool, n in wanted.items()):
-            return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"workers did not become ready: {wanted}")
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +41,6 @@ def dev_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevRun]:
     models = Path(__file__).parents[2] / ".sluice" / "models"
     with sluice_dev(tmp_path_factory.mktemp("dev"), "--models-dir", str(models)) as run:
         yield run
-
-
-def _wait_for_stack(proc: subprocess.Popen[str], workdir: Path, stderr_path: Path) -> DevRun:
-    deadline = time.monotonic() + 420  # SmolLM2 is converted on the first run, then vLLM starts
-    while not (workdir / "pids").exists():
-        assert proc.poll() is None, stderr_path.read_text()
-        assert time.monotonic() < deadline, "dev stack did not come up"
-        time.sleep(0.2)
-    pids = {line.split()[0]: int(line.split()[1]) for line in (workdir / "pids").read_text().splitlines()}
-    env = dict(line.split("=", 1) for line in (workdir / "dev.env").read_text().splitlines())
-    assert proc.stdout is not None
-    curl_line = next(line for line in iter(proc.stdout.readline, "") if line.startswith("curl "))
-    return DevRun(proc, workdir, stderr_path, env, pids, curl_line)
 
 
 def test_the_stack_runs_every_service(dev_run: DevRun) -> None:
@@ -380,38 +288,18 @@ def test_a_batch_file_through_kafka_with_the_dev_env(dev_run: DevRun, tmp_path: 
     assert lines["unknown-model"]["error"]["code"] == "invalid_line"
 
 
-TINY_POOLS = """
-[[pools]]
-name = "tiny"
-model = "tiny"
-engine = "vllm"
-block_size = 128
-context_tokens = 2048
-[pools.vllm]
-source = "{source}"
-kv_cache_gib = 0.25
-max_num_seqs = 8
-cpu_threads = 1
-
-[[pools]]
-name = "sim"
-model = "sluice-sim"
-engine = "simulated"
-"""
-
-
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    """Its own `sluice dev` (a tiny vLLM pool beside a simulated one), so the other tests' stack stays up
-    whatever order they run in."""
-    config = tmp_path / "pools.toml"
-    config.write_text(TINY_POOLS.format(source=build_tiny_llama(tmp_path / "tiny-llama")))
-    with sluice_dev(tmp_path, "--config", str(config)) as run:
-        up = processes_with_env("SLUICE_REDIS_URL", run.env["SLUICE_REDIS_URL"])
-        run.proc.send_signal(signal.SIGINT)
-        code = run.proc.wait(timeout=60)
-    assert code == 0, run.stderr_path.read_text()
-    assert len(up) >= 7, "ingress, the scaler, two dispatchers per pool and the workers were up"
-    survivors = {name: pid for name, pid in run.pids.items() if pid_alive(pid)}
+def test_ctrl_c_stops_everything(dev_run: DevRun) -> None:
+    """The module's last test: Ctrl-C on the very `sluice dev` the others used (SmolLM2 on vLLM beside
+    the simulated pool). Run alone, it starts one of its own."""
+    assert dev_run.proc.poll() is None, "the dev stack was up before Ctrl-C"
+    up = processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])
+    workers = [pid for pid in up if pid not in dev_run.pids.values()]
+    dev_run.proc.send_signal(signal.SIGINT)
+    code = dev_run.proc.wait(timeout=60)
+    assert code == 0, dev_run.stderr_path.read_text()
+    assert len(up) >= 8, "ingress, the scaler, two dispatchers per pool and the workers were up"
+    assert len(workers) >= 2, "the scaler had started the two pools' workers (vLLM's engine beside)"
+    survivors = {name: pid for name, pid in dev_run.pids.items() if pid_alive(pid)}
     assert survivors == {}
-    leftover = processes_with_env("SLUICE_REDIS_URL", run.env["SLUICE_REDIS_URL"])
+    leftover = processes_with_env("SLUICE_REDIS_URL", dev_run.env["SLUICE_REDIS_URL"])
     assert leftover == [], "a worker started by the scaler (or its engine) survived"

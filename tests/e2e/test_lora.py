@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from infra.models import build_lora_adapter, build_tiny_llama
 from queue_schemas.names import Names
-from tests.e2e.test_dev_command import DevRun, pool_heartbeats, sluice_dev, wait_ready
+from tests.e2e.dev_cli import DevRun, pool_heartbeats, sluice_dev, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -11,6 +11,7 @@ import pytest
 from gpu_workers.engine import EngineError, StartFailed
 from gpu_workers.kv_translate import KvTranslator
 from gpu_workers.vllm_args import (
+    cpu_environment,
     cpu_thread_binding,
     engine_arguments,
     finish_reason,
@@ -64,6 +65,22 @@ def test_cpu_threads_split_per_rank() -> None:
     assert cpu_thread_binding([0, 1, 2, 3, 4, 5, 6, 7], 2) == "0-3|4-7"
     with pytest.raises(StartFailed, match="needs at least as many CPU cores"):
         cpu_thread_binding([0], 2)
+
+
+def test_engines_that_share_a_host_are_not_all_bound_to_its_first_core() -> None:
+    shared = VllmEngineConfig(source="/models/small", cpu_threads=1)
+    assert cpu_environment(shared, [0, 1], 1) == {
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    alone = VllmEngineConfig(source="/models/small")
+    assert cpu_environment(alone, [0, 1], 1) == {"OMP_NUM_THREADS": "2"}  # vLLM binds automatically
+    ranks = cpu_environment(shared, [0, 1, 2, 3], 2)
+    assert ranks == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    connector = VllmEngineConfig.model_validate(
+        {"source": "/models/small", "kv_connector": {"connector": "SluiceHandoffConnector"}}
+    )
+    assert cpu_environment(connector, [0, 1], 1)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
 
 def _pool(**vllm: object) -> PoolConfig:

@@ -1,0 +1,29 @@
+"""The process tree under a process, read from /proc (Linux): what a supervisor stops with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, children before their own children."""
+    found: list[int] = []
+    layer = child_pids(pid)
+    while layer:
+        found += layer
+        layer = [grandchild for child in layer for grandchild in child_pids(child)]
+    return found
