@@ -115,13 +115,12 @@ class Intake(DispatcherState):
 
     async def _acknowledge(self) -> None:
         offsets = self.offsets.to_commit()
-        if not offsets:
-            return
         assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
         offsets = {p: o for p, o in offsets.items() if p in assigned}
         if offsets:
             await self.consumer.commit({TopicPartition(*p): o for p, o in offsets.items()})
             self.offsets.committed(offsets)
+        metrics.COMMIT_ROUNDS.labels(self.pool).inc()
 
     def _flow_control(self) -> None:
         """Each class has its own bound in the hold, so a batch flood never pauses interactive partitions."""

@@ -38,6 +38,11 @@ PREFIX_BLOCKS = Counter(
     "Prompt blocks of placed requests, and how many were already cached on the chosen worker",
     ["pool", "kind"],  # prompt, matched
 )
+COMMIT_ROUNDS = Counter(
+    "sluice_dispatcher_commit_rounds_total",
+    "Rounds that committed the offsets the dispatcher is done with (nothing, while it holds them all)",
+    ["pool"],
+)
 RECOVERED = Counter("sluice_dispatcher_recovered_total", "Requests moved off a lost worker", ["pool"])
 CONSUMING = Gauge(
     "sluice_dispatcher_partitions", "Partitions this dispatcher consumes (leased to it)", ["pool"]

@@ -1,8 +1,7 @@
 """The whole path on a Redis Cluster: streamed chats through two ingresses, quotas, a signed batch, a
 background response's stream resumed through the other ingress (after its client, or its ingress, was
-cut), a dispatcher killed under load, and a primary that fails over under open streams.
-
-The failover test runs last: it leaves the cluster with one primary promoted from its replica.
+cut), a dispatcher killed under load, and a primary that fails over under open streams (the failed
+primary comes back as a replica, so no test depends on running before or after it).
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis as sync_redis
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
 from openai.types.chat import ChatCompletionMessageParam
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
@@ -33,7 +34,7 @@ from queue_schemas.teams import TeamLimits
 from tests.cluster.conftest import with_cluster
 from tests.e2e.test_responses import expected_text, read_until, resume
 from tests.e2e.test_streaming_contract import chat_prompt_ids, sim_reply
-from tests.waiting import until
+from tests.waiting import eventually, until
 
 pytestmark = pytest.mark.timeout(300)  # above the dev stack's own start limit, which reports the logs
 
@@ -44,10 +45,14 @@ def messages(n: int) -> list[ChatCompletionMessageParam]:
     return [{"role": "user", "content": f"question number {n} on the cluster"}]
 
 
-async def stream_one(url: str, key: str, model: str, n: int, max_tokens: int) -> dict[str, Any]:
-    """One streamed chat with the official client: its id, text, usage, or the error that ended it."""
+async def stream_one(
+    url: str, key: str, model: str, n: int, max_tokens: int, out: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One streamed chat with the official client: its id, text, usage, or the error that ended it, and
+    when it started and ended (monotonic). `out`, when given, is filled as the stream goes."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-    out: dict[str, Any] = {"n": n, "text": "", "id": None, "usage": None, "error": None}
+    out = {} if out is None else out
+    out.update(n=n, text="", id=None, usage=None, error=None, started=time.monotonic(), ended=None)
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages(n), stream=True, max_tokens=max_tokens,
@@ -62,6 +67,7 @@ async def stream_one(url: str, key: str, model: str, n: int, max_tokens: int) ->
     except openai.APIError as exc:
         out["error"] = str(exc)
     finally:
+        out["ended"] = time.monotonic()
         await client.close()
     return out
 
@@ -208,24 +214,92 @@ def _healthy(url: str) -> bool:
         return False
 
 
+async def _partitions_of(bootstrap: str, topic: str, request_ids: set[str]) -> dict[str, int]:
+    """The partition of the topic each request's record is on."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    found: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while len(found) < len(request_ids) and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500)
+            for tp, records in batch.items():
+                for record in records:
+                    rid = json.loads(record.value)["request_id"]
+                    if rid in request_ids:
+                        found[rid] = tp.partition
+    finally:
+        await consumer.stop()
+    return found
+
+
+def _lease_holder(stack: DevStack, endpoints: Endpoints, pool: str, partition: int) -> str:
+    """The name of the dispatcher process that holds the lease on a partition of the pool's topic."""
+    names = Names()
+    key = names.partition_lease(pool).format(topic=names.requests_topic(pool), partition=partition)
+
+    async def go(redis: aioredis.Redis) -> bytes | None:
+        raw = await redis.get(key)
+        return raw if raw is None or isinstance(raw, bytes) else raw.encode()
+
+    holder = with_cluster(endpoints, go)
+    assert holder is not None, f"no dispatcher holds {key}"
+    pid = int(holder.decode().split("-")[1])  # dispatcher-<pid>-<random>
+    (name,) = [p.name for p in stack.processes if p.popen.pid == pid]
+    return name
+
+
+def _request_id(result: dict[str, Any]) -> str:
+    return str(result["id"]).removeprefix("chatcmpl-")
+
+
 def test_kill_a_dispatcher_under_streams(cluster_stack: Stack) -> None:
-    """Streams over both ingresses while one of the pool's two dispatchers is killed: every stream ends
-    once, with exactly its answer, and the team is charged once per request."""
+    """Streams over both ingresses while the dispatcher that holds their partition is killed: those
+    placed before it died go on, those sent after wait for the other dispatcher to take the partition
+    over. Every stream ends once, with exactly its answer, and the team is charged once per request."""
     stack, endpoints = cluster_stack
     key = fresh_key(endpoints, "survivor")
+    topic = Names().requests_topic("slow")
+    urls = stack.ingress_urls
+    # The team's requests share their first block, so they share a partition: find it and its holder.
+    probe = asyncio.run(stream_one(urls[0], key, "sluice-slow", 99, 4))
+    assert probe["error"] is None, probe
+    partition = asyncio.run(_partitions_of(endpoints.kafka_bootstrap, topic, {_request_id(probe)}))
+    victim = _lease_holder(stack, endpoints, "slow", partition[_request_id(probe)])
 
-    async def go() -> list[dict[str, Any]]:
-        load = asyncio.create_task(stream_many(stack, key, "sluice-slow", 40, 40, spacing_s=0.05))
-        await asyncio.sleep(0.8)
-        stack.halt("dispatcher-slow", kill=True)
-        return await load
+    async def go() -> tuple[list[dict[str, Any]], float]:
+        opened: list[dict[str, Any]] = [{} for _ in range(20)]
+        before = [
+            asyncio.create_task(stream_one(urls[n % 2], key, "sluice-slow", n, 40, opened[n]))
+            for n in range(20)
+        ]
+
+        async def placed() -> bool:  # text flows once the victim has placed a request
+            return any(o.get("text") for o in opened)
+
+        await eventually(placed, 60, "a stream placed by the dispatcher to be killed")
+        stack.halt(victim, kill=True)
+        killed_at = time.monotonic()
+        after = [
+            asyncio.create_task(stream_one(urls[n % 2], key, "sluice-slow", n, 40)) for n in range(20, 40)
+        ]
+        return list(await asyncio.gather(*before, *after)), killed_at
 
     try:
-        results = asyncio.run(go())
+        results, killed_at = asyncio.run(go())
     finally:
-        stack.resume("dispatcher-slow")
+        stack.resume(victim)
     assert_exact(results, 40)
-    assert charged_today(endpoints, "survivor") == sum(r["usage"] for r in results)
+    open_at_kill = [r for r in results if r["started"] < killed_at < r["ended"]]
+    sent_after = [r for r in results if r["started"] > killed_at]
+    assert open_at_kill, "streams were open when the dispatcher died"
+    assert len(sent_after) == 20
+    ids = {_request_id(r) for r in results}
+    on = asyncio.run(_partitions_of(endpoints.kafka_bootstrap, topic, ids))
+    assert set(on.values()) == {partition[_request_id(probe)]}, (
+        "every stream went through the victim's partition"
+    )
+    assert charged_today(endpoints, "survivor") == sum(r["usage"] for r in [probe, *results])
 
 
 def test_failover_of_a_primary_under_open_streams(cluster_stack: Stack) -> None:
@@ -237,21 +311,51 @@ def test_failover_of_a_primary_under_open_streams(cluster_stack: Stack) -> None:
     key = fresh_key(endpoints, "failover")
     victim = stack.cluster.primaries[1]
 
-    async def go() -> list[dict[str, Any]]:
-        load = asyncio.create_task(stream_many(stack, key, "sluice-slow", 30, 60, spacing_s=0.02))
-        await asyncio.sleep(1.0)
+    async def go() -> tuple[list[dict[str, Any]], float]:
+        opened: list[dict[str, Any]] = [{} for _ in range(30)]
+        streams = []
+        for n in range(30):
+            url = stack.ingress_urls[n % 2]
+            streams.append(asyncio.create_task(stream_one(url, key, "sluice-slow", n, 60, opened[n])))
+            await asyncio.sleep(0.02)
+
+        async def flowing() -> bool:  # text arrives on most streams: they are open on every shard
+            return sum(bool(o.get("text")) for o in opened) >= 20
+
+        await eventually(flowing, 60, "streams open on every shard")
         stack.halt(victim.name, kill=True)
-        return await asyncio.wait_for(load, 90)
+        killed_at = time.monotonic()
+        return list(await asyncio.wait_for(asyncio.gather(*streams), 90)), killed_at
 
     started = time.monotonic()
-    results = asyncio.run(go())
-    print(f"failover: {len(results)} streams ended in {time.monotonic() - started:.1f} s")
-    assert_exact(results, 60)
-    first, last = slot_ranges(3)[1]
-    ids = [r["id"].removeprefix("chatcmpl-") for r in results]
-    moved = [rid for rid in ids if first <= key_slot(Names().stream_channel(rid).encode()) <= last]
-    assert moved, "some of the streams were carried by the primary that failed"
-    after = asyncio.run(stream_many(stack, key, "sluice-sim", 6, 12))
-    assert_exact(after, 12)
-    for url in stack.ingress_urls:  # each ingress let go of its connection to the lost primary
-        assert httpx.get(url + "/healthz", timeout=5).json()["status"] == "ok", url
+    try:
+        results, killed_at = asyncio.run(go())
+        print(f"failover: {len(results)} streams ended in {time.monotonic() - started:.1f} s")
+        assert_exact(results, 60)
+        first, last = slot_ranges(3)[1]
+        moved = [
+            r for r in results
+            if first <= key_slot(Names().stream_channel(_request_id(r)).encode()) <= last
+            and r["started"] < killed_at < r["ended"]
+        ]  # fmt: skip
+        assert moved, "streams on the failed primary's slots were open when it died"
+        after = asyncio.run(stream_many(stack, key, "sluice-sim", 6, 12))
+        assert_exact(after, 12)
+        for url in stack.ingress_urls:  # each ingress let go of its connection to the lost primary
+            assert httpx.get(url + "/healthz", timeout=5).json()["status"] == "ok", url
+    finally:
+        # Back, as a replica of the primary that took its slots: the cluster is whole for what follows.
+        node = stack.resume(victim.name)
+        port = int(node.argv[node.argv.index("--port") + 1])
+        until(lambda: _node_joined(port), 60, f"{victim.name} back in the cluster")
+
+
+def _node_joined(port: int) -> bool:
+    client = sync_redis.Redis(port=port, socket_timeout=2)
+    try:
+        info: Any = client.cluster("INFO")  # parsed: a dict of the fields
+        return bool(info.get("cluster_state") == "ok")
+    except sync_redis.RedisError:
+        return False
+    finally:
+        client.close()

@@ -39,10 +39,10 @@ model = "sluice-slow"
 max_queued = 1000
 [pools.simulated]
 ttft_ms = 20
-token_ms = 40
+token_ms = 20
 max_running = 1
-min_words = 20
-max_words = 20
+min_words = 10
+max_words = 10
 [pools.scaling]
 min_replicas = 1
 max_replicas = 3

@@ -4,6 +4,7 @@ asked for through the official client by their own model ids."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import openai
@@ -112,18 +113,71 @@ def test_a_second_request_for_an_adapter_goes_where_it_is_held(lora_run: DevRun)
     assert poem_text
 
 
+async def _set_drain(run: DevRun, worker_ids: list[str], asked: bool) -> None:
+    """The scaler's drain request, as an operator sets it: the worker takes no new placements."""
+    redis = aioredis.Redis.from_url(run.env["SLUICE_REDIS_URL"])
+    try:
+        keys = [Names().drain_request(w) for w in worker_ids]
+        if asked:
+            for key in keys:
+                await redis.set(key, b"1", ex=120)
+        elif keys:
+            await redis.delete(*keys)
+    finally:
+        await redis.aclose()
+
+
+async def _states(run: DevRun) -> dict[str, str]:
+    beats = await pool_heartbeats(run.env["SLUICE_REDIS_URL"], "tiny")
+    return {hb.worker_id: hb.state for hb in beats}
+
+
+def _wait_states(run: DevRun, wanted: dict[str, str]) -> None:
+    for _ in range(600):
+        states = asyncio.run(_states(run))
+        if all(states.get(w) == state for w, state in wanted.items()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"worker states did not become {wanted}: {states}")
+
+
+def _completion_worker(run: DevRun, request_id: str) -> str:
+    async def go() -> str:
+        redis = aioredis.Redis.from_url(run.env["SLUICE_REDIS_URL"])
+        try:
+            raw = await redis.get(Names().placement(request_id))
+            assert raw is not None, f"{request_id} has a placement record"
+            return raw.decode() if isinstance(raw, bytes) else str(raw)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
 def test_cached_tokens_are_never_shared_between_adapters(lora_run: DevRun) -> None:
+    """Both adapters on one worker, the other drained: the only way a cached prefix could cross from one
+    adapter to the other."""
+    asyncio.run(wait_ready(lora_run.env["SLUICE_REDIS_URL"], {"tiny": 2}))
+    keep, *others = sorted(asyncio.run(_states(lora_run)))
+    asyncio.run(_set_drain(lora_run, others, True))
     prompt = " ".join(f"row {i} holds the value {i * 7}." for i in range(80))
     cached: dict[str, list[int]] = {"tiny-sql": [], "tiny-poem": []}
+    placed: set[str] = set()
     prompt_tokens = 0
-    with _client(lora_run) as client:
-        for model in ("tiny-sql", "tiny-poem", "tiny-sql", "tiny-poem"):
-            reply = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
-            assert reply.usage is not None
-            details = reply.usage.prompt_tokens_details
-            cached[model].append((details.cached_tokens or 0) if details else 0)
-            assert reply.model == model
-            prompt_tokens = reply.usage.prompt_tokens
+    try:
+        _wait_states(lora_run, {keep: "ready", **{w: "draining" for w in others}})
+        with _client(lora_run) as client:
+            for model in ("tiny-sql", "tiny-poem", "tiny-sql", "tiny-poem"):
+                reply = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+                assert reply.usage is not None
+                details = reply.usage.prompt_tokens_details
+                cached[model].append((details.cached_tokens or 0) if details else 0)
+                assert reply.model == model
+                prompt_tokens = reply.usage.prompt_tokens
+                placed.add(_completion_worker(lora_run, reply.id.split("-", 1)[1]))
+    finally:
+        asyncio.run(_set_drain(lora_run, others, False))
+    assert placed == {keep}, "all four requests ran on one worker"
     assert prompt_tokens > 2 * 128
     assert cached["tiny-sql"][0] == 0
     assert cached["tiny-poem"][0] == 0, "the same prompt cached under tiny-sql is not a hit for tiny-poem"

@@ -203,24 +203,36 @@ def test_cancel_stops_the_engine_and_charges_what_was_generated(endpoints: Endpo
     assert client.responses.cancel(created.id).status == "cancelled"
 
 
-def test_a_response_cancelled_as_soon_as_it_is_queued_ends(endpoints: Endpoints) -> None:
-    """Cancelled before a worker starts it (almost always, with the slow pool's 400 ms to a first
-    token), it ends at once with no output, charged nothing; if a worker did start it, it is charged
-    what that worker reports."""
+def test_a_response_cancelled_as_soon_as_it_is_queued_ends(dev_stack: Stack) -> None:
+    """Cancelled while it waits in the pool's topic (its dispatcher stopped meanwhile, so no worker can
+    have started it): it ends at once with no output and is charged nothing."""
+    stack, endpoints = dev_stack
     key = team_key(endpoints, "resp-queued")
     client = openai_client(endpoints, key)
-    created = client.responses.create(
-        model="sluice-slow", input="Cancel me early.", background=True, max_output_tokens=100
-    )
-    cancelled = client.responses.cancel(created.id)
+    stack.halt("dispatcher-slow", kill=False)
+    try:
+        created = client.responses.create(
+            model="sluice-slow", input="Cancel me early.", background=True, max_output_tokens=100
+        )
+        cancelled = client.responses.cancel(created.id)
+    finally:
+        stack.resume("dispatcher-slow")
     assert cancelled.status == "cancelled"
     events = list(client.responses.retrieve(created.id, stream=True))
     assert events[0].type == "response.created"
     assert events[-1].type == "response.failed"
     assert events[-1].response.status == "cancelled"
+    assert events[-1].response.output == []
     usage = events[-1].response.usage
     assert usage is not None
-    until(lambda: day_used(endpoints, "resp-queued") == usage.total_tokens, 10, "the charge settled")
+    assert usage.output_tokens == 0
+    # The dispatcher, back, reads the cancelled request and drops it: the next request on the pool is
+    # answered, and the team is charged for that one alone.
+    answer = client.responses.create(model="sluice-slow", input="After the cancel.", max_output_tokens=4)
+    assert answer.status == "incomplete"  # answered, up to its 4 tokens
+    assert answer.usage is not None
+    spent = answer.usage.total_tokens
+    until(lambda: day_used(endpoints, "resp-queued") == spent, 10, "only the answered request is charged")
     assert client.responses.retrieve(created.id).status == "cancelled"
 
 
@@ -252,20 +264,24 @@ def test_structured_output_and_function_calls(endpoints: Endpoints) -> None:
     assert done.arguments == item.arguments
 
     # The call's output sent back as input items: rendered into the prompt like a chat tool turn.
-    follow = client.responses.create(
-        model="sluice-sim", tools=tools,
-        input=[
-            {"role": "user", "content": "Weather?"},
-            {
-                "type": "function_call", "call_id": "call_1", "name": "get_weather",
-                "arguments": item.arguments,
-            },
-            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
-        ],
-        tool_choice="none",
-    )  # fmt: skip
+    def tool_turn(output: str) -> Any:
+        return client.responses.create(
+            model="sluice-sim", tools=tools, tool_choice="none",
+            input=[
+                {"role": "user", "content": "Weather?"},
+                {
+                    "type": "function_call", "call_id": "call_1", "name": "get_weather",
+                    "arguments": item.arguments,
+                },
+                {"type": "function_call_output", "call_id": "call_1", "output": output},
+            ],
+        )  # fmt: skip
+
+    follow = tool_turn("sunny")
     assert follow.status in ("completed", "incomplete")
-    assert follow.output_text
+    # The tool's output is in the prompt: the same turn gives the same answer, another output another.
+    assert tool_turn("sunny").output_text == follow.output_text
+    assert tool_turn("rainy").output_text != follow.output_text, "the tool's output is in the prompt"
 
 
 @pytest.mark.parametrize(

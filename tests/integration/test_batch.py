@@ -6,7 +6,10 @@ import json
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from gpu_workers.simulated import answer_to
+from openai_api.openai_types import ChatMessage
 from openai_api.quota_gate import QuotaGate
+from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.batch import internal_request_id
 from queue_schemas.teams import TeamLimits, TeamRecord
 from tests.conftest import Bus, read_dead_letters
@@ -104,6 +107,16 @@ async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) 
             assert answer["response"]["status_code"] == 200, answer
             body = answer["response"]["body"]
             assert body["usage"]["completion_tokens"] > 0
+        # The simulated engine's exact answers (one byte per token) to each prompt as the service built it.
+        tokenizer = ByteTokenizer()
+        exact = {
+            "chat-1": answer_to(tokenizer.encode_chat([ChatMessage(role="user", content="hello there")])),
+            "text-1": answer_to(tokenizer.encode_text("once upon"))[:5],
+            "tok-1": answer_to(list(b"pre-tokenized prompt")),
+        }
+        for cid, text in exact.items():
+            choice = by_id[cid]["response"]["body"]["choices"][0]
+            assert (choice["message"]["content"] if "message" in choice else choice["text"]) == text, cid
         assert by_id["text-1"]["response"]["body"]["object"] == "text_completion"
         assert by_id["tok-1"]["response"]["body"]["usage"]["prompt_tokens"] == len(b"pre-tokenized prompt")
         content = by_id["json-1"]["response"]["body"]["choices"][0]["message"]["content"]

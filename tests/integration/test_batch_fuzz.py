@@ -59,7 +59,7 @@ record_plan = st.fixed_dictionaries(
 )
 
 
-def record_value(plan: dict[str, Any], prefix: str) -> bytes:
+def record_value(plan: dict[str, Any], prefix: str, index: int) -> bytes:
     if plan["garbage"]:
         return b"\xff{not json"
     replies = {
@@ -67,10 +67,26 @@ def record_value(plan: dict[str, Any], prefix: str) -> bytes:
         "victim": VICTIM, "invalid": "no spaces", "requests": f"{prefix}.requests.sim", 7: 7,
     }  # fmt: skip
     sub = {
-        "v": plan["version"], "request_id": plan["request_id"], "custom_id": plan["request_id"],
+        "v": plan["version"], "request_id": plan["request_id"], "custom_id": custom_id(index),
         "team": plan["team"], "reply_topic": replies[plan["reply"]], "body": BODIES[plan["body"]],
     }  # fmt: skip
     return json.dumps({k: v for k, v in sub.items() if v is not None}).encode()
+
+
+def custom_id(index: int) -> str:
+    """Each record's own, so that an answer names the record it answers."""
+    return f"c{index}"
+
+
+def may_answer_on(plan: dict[str, Any], topic: str, prefix: str) -> bool:
+    """Whether the team the record's signature proves owns `topic`: its results topic, or (acme alone)
+    a topic under its reply prefix. What the record says of its own team proves nothing."""
+    signer = plan["signer"]
+    if signer not in ("acme", "mallory", "ghost"):
+        return False  # unsigned, or signed over other bytes
+    return topic == f"{prefix}.results.{signer}" or (
+        signer == "acme" and topic.startswith(f"answers.{prefix}.")
+    )
 
 
 def headers_for(plan: dict[str, Any], value: bytes, signers: dict[str, Ed25519PrivateKey]) -> Any:
@@ -107,7 +123,7 @@ async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
         await create_topics(p.settings, VICTIM, *answered, partitions=1)
         topic = names.batch_topic("sim")
         for i, plan in enumerate(plans):
-            value = record_value(plan, names.prefix)
+            value = record_value(plan, names.prefix, i)
             await client.send_and_wait(topic, value, headers=headers_for(plan, value, signers))
             if i % 5 == 0:  # interactive traffic keeps flowing meanwhile
                 request = make_request("sim", f"interactive-{i:04d}", max_tokens=3)
@@ -124,10 +140,22 @@ async def scenario(bus: Bus, plans: list[dict[str, Any]]) -> None:
 
             await eventually(finished, 30, "every batch record's offset committed")
         assert await read_answers(p.settings.kafka_bootstrap, VICTIM, 1, 2) == []
+        # Every answer, on every topic one may reach, went where its proven team may receive it.
+        by_id = {custom_id(i): plan for i, plan in enumerate(plans)}
+        for topic in answered:
+            for answer in await read_answers(p.settings.kafka_bootstrap, topic, len(plans), 1):
+                plan = by_id[answer["custom_id"]]
+                assert may_answer_on(plan, topic, names.prefix), (topic, plan)
         assert not p.crashed()
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+EXAMPLES = 4  # the same 4 every run (tests/conftest.py); each runs a pipeline through 15-30 records
+
+
+@settings(
+    max_examples=EXAMPLES, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)  # fmt: skip
 @given(plans=st.lists(record_plan, min_size=15, max_size=30))
 def test_random_batch_records_never_stop_the_pool(bus: Bus, plans: list[dict[str, Any]]) -> None:
     asyncio.run(scenario(bus, plans))

@@ -226,7 +226,12 @@ async def test_requests_held_while_their_partitions_move_are_placed_once(bus: Bu
         # Once the kept partitions are read again (received counts past the 40), their offsets were
         # committed as far as the first dispatcher's state allows; then it dies holding its requests.
         await eventually(read_again, 20, "the first dispatcher reading its kept partitions again")
-        await asyncio.sleep(1.0)  # a commit round or more
+        rounds = scrape(port, "sluice_dispatcher_commit_rounds_total", 'pool="sim"')
+
+        async def committed_since() -> bool:  # two whole rounds after the reading: one began after it
+            return scrape(port, "sluice_dispatcher_commit_rounds_total", 'pool="sim"') >= rounds + 2
+
+        await eventually(committed_since, 20, "the first dispatcher's commit rounds after reading again")
         services.kill9("dispatcher-0")
         await leased(redis, settings, [topic], 4, 1)
         services.start("worker-0", "worker", "--pool", "sim", "--worker-id", "w0")

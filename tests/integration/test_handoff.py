@@ -6,7 +6,6 @@ prefill with the same answer."""
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -86,16 +85,15 @@ async def test_a_prefill_worker_slower_than_the_wait_leaves_a_local_prefill(bus:
     slow = SimulatedEngineConfig(ttft_ms=3000, token_ms=1)
     async with pipeline(bus, engines=[DECODE, slow], roles=["decode", "prefill"], config=config) as p:
         req = prompt_request("req-split-slow-0001", 300)
-        started = time.monotonic()
         events = await send_and_collect(p, req)
-        elapsed = time.monotonic() - started
         final = events[-1]
         assert isinstance(final, FinalChunk), events
         assert text_of(events) == reply_text(req)[:20]
         assert final.usage.cached_tokens == 0  # prefilled where it decoded
         record = await p.redis.hgetall(p.settings.names.handoff(req.request_id))
+        # It stopped waiting at the pool's 0.5 s, not after the prefill's 3 s: a KV that came back would
+        # have been loaded (outcome `loaded`, its tokens cached).
         assert record[b"outcome"] == b"timed out"
-        assert elapsed < 3.0, "the decode worker did not wait for the slow prefill"
 
 
 async def test_auto_splits_a_long_prompt_only_while_the_decode_worker_is_busy(

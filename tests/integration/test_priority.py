@@ -39,6 +39,7 @@ from tests.integration.helpers import (
     submission,
     wait_state,
 )
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,7 +90,15 @@ async def held_while_draining(p: Pipeline, requests: list[InferenceRequest], bat
     if batch:
         signer = await register_signer(p.redis, names, "acme")
         await produce(p.settings, [(names.batch_topic("sim"), b) for b in batch], signer)
-    await asyncio.sleep(1.5)  # received, admitted and held; team weights re-read meanwhile
+    # Every interactive request received, admitted and held (the dispatcher reports its hold every second,
+    # and re-reads team weights every 0.2 s meanwhile) before the worker is back.
+    interactive = sum(r.priority is not Priority.BATCH for r in requests)
+
+    async def all_held() -> bool:
+        keys = [key async for key in p.redis.scan_iter(match=names.held("sim", "*"))]
+        return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else [])) == interactive
+
+    await eventually(all_held, 30, f"{interactive} requests held")
     await p.redis.delete(names.drain_request(p.worker_id))
     return await watching
 
