@@ -159,3 +159,16 @@ EXAMPLES = 4  # the same 4 every run (tests/conftest.py); each runs a pipeline t
 @given(plans=st.lists(record_plan, min_size=15, max_size=30))
 def test_random_batch_records_never_stop_the_pool(bus: Bus, plans: list[dict[str, Any]]) -> None:
     asyncio.run(scenario(bus, plans))
+
+
+def test_every_signer_and_reply_topic_pair_is_answered_only_where_the_signer_may_receive(bus: Bus) -> None:
+    """The pairs the random plans reach only by chance, each once: a valid record whose claimed team is
+    its signer's, for every signer and reply topic."""
+    plans = [
+        {"team": signer, "signer": signer, "reply": reply, "body": 0, "request_id": f"r-{n}", "version": 1,
+         "garbage": False}
+        for n, (signer, reply) in enumerate(
+            (s, r) for s in ("acme", "mallory", "ghost") for r in (None, "results", "owned", "victim")
+        )
+    ]  # fmt: skip
+    asyncio.run(scenario(bus, plans))
