@@ -152,6 +152,9 @@ class Worker(Consuming, Beats):
         stopping = asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            starting.cancel()
+            raise
         finally:
             stopping.cancel()
         if not starting.done():
