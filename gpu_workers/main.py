@@ -60,14 +60,16 @@ async def serve(settings: WorkerSettings, liveness: Liveness | None = None) -> i
         code = await worker.run(stop)
     finally:
         await redis.aclose()
-    if worker.stopped_starting:
+    if worker.stopped_starting or code:
         exit_now(code)
     return code
 
 
 def exit_now(code: int) -> None:
-    """Leave without waiting for the engine's loader thread, which cannot be interrupted: the processes
-    the engine has started so far are killed first, so none outlives the worker."""
+    """Leave without waiting for what the process still runs: the engine's loader thread, which cannot
+    be interrupted, or a background task or executor thread of a failed worker that does not unwind (the
+    event loop's shutdown would wait for each). The worker has already published its state and left the
+    pool. The processes the engine has started so far are killed first, so none outlives the worker."""
     for pid in descendants(os.getpid()):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
