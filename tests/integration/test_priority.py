@@ -75,6 +75,19 @@ async def start_order(p: Pipeline, expected: set[str], ready: asyncio.Event, wit
     return order
 
 
+async def started(p: Pipeline, requests: list[InferenceRequest], count: int) -> bool:
+    """Whether the worker has started `count` of `requests`: each has a replay log once its first chunk
+    is out."""
+    names = p.settings.names
+    return int(await p.redis.exists(*(names.replay(r.request_id) for r in requests))) >= count
+
+
+async def replay_logs(p: Pipeline, count: int) -> bool:
+    """Whether `count` requests of this test's names have started (a replay log each)."""
+    logs = [key async for key in p.redis.scan_iter(match=p.settings.names.replay("*"))]
+    return len(logs) >= count
+
+
 async def held_while_draining(p: Pipeline, requests: list[InferenceRequest], batch: list[bytes]) -> list[str]:
     """Produce everything while the only worker drains (so all of it waits in the dispatcher's hold), let
     the worker back, and return the order the requests started in."""
@@ -150,8 +163,8 @@ async def test_a_worker_starts_the_best_of_the_requests_queued_in_its_inbox(bus:
         for r in [busy, *queued]:  # as the dispatcher's placement script does
             await p.redis.set(names.placement(r.request_id), p.worker_id, px=60_000)
             await p.redis.xadd(names.inbox(p.worker_id), {"m": encode(r)})
-            if r is busy:
-                await asyncio.sleep(0.3)  # it holds the one slot
+            if r is busy:  # it holds the one slot: its first chunk is out
+                await eventually(lambda: started(p, [busy], 1), 10, "the busy request started")
         order = await watching
         assert order == [
             "busy-0000001", "urgent-00001", "quiet-000001", "flood-000001", "flex-0000001", "batch-000001",
@@ -179,8 +192,8 @@ async def test_batch_requests_placed_past_the_headroom_wait_at_the_worker(bus: B
         watching = asyncio.create_task(start_order(p, expected, ready, within_s=30))
         await ready.wait()
         for r in [*batch, urgent]:
-            if r is urgent:
-                await asyncio.sleep(0.2)  # the batch requests hold what they may
+            if r is urgent:  # the batch requests hold what they may: three slots of four
+                await eventually(lambda: started(p, batch, 3), 10, "three batch requests started")
             await p.redis.set(names.placement(r.request_id), p.worker_id, px=60_000)
             await p.redis.xadd(names.inbox(p.worker_id), {"m": encode(r)})
         order = await watching
@@ -218,7 +231,8 @@ async def test_preempted_batch_requests_finish_whole_and_are_charged_what_they_u
         texts = [f"batch item {i}: summarise the queue" for i in range(6)]
         subs = [submission(f"long-{i}", chat(texts[i], max_tokens=MAX_TOKENS)) for i in range(6)]
         await produce(p.settings, [(names.batch_topic("sim"), json.dumps(s).encode()) for s in subs], signer)
-        await asyncio.sleep(0.5)
+        # Batch requests run (about three fit the KV blocks) before the interactive ones arrive.
+        await eventually(lambda: replay_logs(p, 3), 30, "three batch requests started")
         interactive = [make_request("sim", f"urgent-{i:07d}", max_tokens=120) for i in range(4)]
         ready = asyncio.Event()
         urgent = asyncio.create_task(start_order(p, {r.request_id for r in interactive}, ready, 60))
