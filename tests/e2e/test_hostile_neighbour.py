@@ -314,7 +314,7 @@ def test_attack_3_a_large_upload_neither_stalls_streams_nor_fills_memory(
     stack, endpoints = dev_stack
     calm = CalmTeam(openai_client(endpoints, team_key(endpoints, "streamer"), timeout=60))
     client = openai_client(endpoints, team_key(endpoints, "uploader"), timeout=120)
-    line = json.dumps(chat_line("big-{n}", "y" * 900, model="no-such-model")) + "\n"
+    line = json.dumps(chat_line("big-{n}", "y" * 1400, model="no-such-model")) + "\n"
     data = "".join(line.replace("big-{n}", f"big-{n}") for n in range(32 * 2**20 // len(line))).encode()
 
     def upload_and_batch() -> tuple[int, list[str]]:
