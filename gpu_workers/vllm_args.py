@@ -40,6 +40,7 @@ def cpu_environment(config: VllmEngineConfig, cores: list[int], tensor_parallel_
     - A KV connector: vLLM reserves one more core per rank for it; on a small machine that leaves none,
       and it binds the model to every core instead. Reserve as without a connector, so a pool's prefill
       and decode engines compute as a connector-less engine does.
+    - An unbound one-rank engine runs its model in the engine-core process (see `one_process_on_cpu`).
     """
     tp = tensor_parallel_size
     wanted = {"OMP_NUM_THREADS": str(config.cpu_threads or max(1, len(cores) // tp))}
@@ -47,9 +48,22 @@ def cpu_environment(config: VllmEngineConfig, cores: list[int], tensor_parallel_
         wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cores, tp)
     elif config.cpu_threads is not None:
         wanted["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if one_process_on_cpu(config, tp):
+        # vLLM on CPU replaces the in-process executor with a worker process unless this is off. The
+        # async engine ignores it otherwise: its engine core is a process of its own either way.
+        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if config.kv_connector is not None:
         wanted["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
     return wanted
+
+
+def one_process_on_cpu(config: VllmEngineConfig, tensor_parallel_size: int) -> bool:
+    """Whether a CPU engine runs its model inside vLLM's engine-core process instead of a worker process
+    of its own. vLLM on CPU starts that worker process to bind its OpenMP threads to cores before they
+    exist; an engine of one rank that shares its host (`cpu_threads` set, so not bound) gains nothing
+    from it and pays a third interpreter importing vLLM and torch: about 9 s of start-up and its memory.
+    Pure."""
+    return tensor_parallel_size == 1 and config.cpu_threads is not None
 
 
 def speculative_config(config: VllmEngineConfig, enabled: bool) -> dict[str, Any] | None:
@@ -108,6 +122,8 @@ def engine_arguments(
         "speculative_config": speculative_config(config, spec_decoding),
         "disable_log_stats": False,
     }
+    if not on_gpu and one_process_on_cpu(config, pool.tensor_parallel_size):
+        args["distributed_executor_backend"] = "uni"
     if pool.adapters:
         args.update(lora_arguments(pool, on_gpu))
     transfer = kv_transfer_arguments(config, role)

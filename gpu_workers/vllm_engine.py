@@ -48,6 +48,8 @@ from queue_schemas.messages import InferenceRequest, KvRole
 
 log = structlog.get_logger("sluice.vllm")
 
+ONE_PROCESS_EXIT_S = 1.0  # how long a closed one-process engine core has to exit before it is killed
+
 
 class VllmEngine:
     def __init__(
@@ -66,6 +68,7 @@ class VllmEngine:
         self._kv_task: asyncio.Task[None] | None = None
         self._zmq: Any = None
         self._blocks_total = 0
+        self._one_process = False  # the model runs in the engine-core process (vllm_args.one_process_on_cpu)
         self._failure: str | None = None
         self.model_dir: Path | None = None
         self._adapter_dirs: dict[str, Path] = {}
@@ -115,6 +118,7 @@ class VllmEngine:
                 f"{cache.block_size}; set block_size = {cache.block_size} in the pool configuration"
             )
         self._blocks_total = int(cache.num_gpu_blocks or 0)
+        self._one_process = self._llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
         if self._pool.adapters and not _has_cuda():
             await self._pin_base_adapter()
 
@@ -278,7 +282,10 @@ class VllmEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._kv_task
         if self._llm is not None:
-            self._llm.shutdown()
+            # An engine core that runs its model itself has no worker processes to wait for; its own
+            # clean-up (a full garbage collection of a process about to exit) takes seconds, so it gets
+            # ONE_PROCESS_EXIT_S before it is killed. Other engines keep vLLM's own timeout.
+            self._llm.shutdown(timeout=ONE_PROCESS_EXIT_S if self._one_process else None)
             self._llm = None
         if self._zmq is not None:
             self._zmq.term()

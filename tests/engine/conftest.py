@@ -27,7 +27,8 @@ def _cpu_engine_environment() -> None:
 
 
 def tiny_pool(source: str, **overrides: object) -> PoolConfig:
-    engine = VllmEngineConfig(source=source, kv_cache_gib=0.25, max_num_seqs=8)
+    # One OpenMP thread, unbound: engines here share two cores with the test and with each other.
+    engine = VllmEngineConfig(source=source, kv_cache_gib=0.25, max_num_seqs=8, cpu_threads=1)
     fields: dict[str, object] = {
         "name": "tiny",
         "model": "tiny",

@@ -36,7 +36,9 @@ def source(request: pytest.FixtureRequest, tiny_llama: Path) -> Path:
 
 def engine(source: Path, cache: Path, storage: Path, role: KvRole) -> VllmEngine:
     connector = KvConnectorConfig(connector=HANDOFF_CONNECTOR, extra={"shared_storage_path": str(storage)})
-    config = VllmEngineConfig(source=str(source), kv_cache_gib=0.25, max_num_seqs=8, kv_connector=connector)
+    config = VllmEngineConfig(
+        source=str(source), kv_cache_gib=0.25, max_num_seqs=8, cpu_threads=1, kv_connector=connector
+    )
     return VllmEngine(tiny_pool(str(source), vllm=config), ModelStore(cache), False, role)
 
 

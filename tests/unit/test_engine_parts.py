@@ -72,6 +72,7 @@ def test_engines_that_share_a_host_are_not_all_bound_to_its_first_core() -> None
     assert cpu_environment(shared, [0, 1], 1) == {
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # no binding to set up: no worker process for it
     }
     alone = VllmEngineConfig(source="/models/small")
     assert cpu_environment(alone, [0, 1], 1) == {"OMP_NUM_THREADS": "2"}  # vLLM binds automatically
@@ -114,6 +115,20 @@ def test_auto_precision_on_a_cpu_is_float32_and_a_chosen_one_stands() -> None:
     assert on_cpu["dtype"] == "float32"
     chosen = engine_arguments(_pool(dtype="bfloat16"), Path("/m"), False, None, on_gpu=False)
     assert chosen["dtype"] == "bfloat16"
+
+
+def test_only_an_unbound_one_rank_engine_on_cpu_runs_its_model_in_the_engine_core() -> None:
+    def backend(tp: int, on_gpu: bool, **vllm: object) -> object:
+        pool = _pool(**vllm).model_copy(update={"tensor_parallel_size": tp})
+        args = engine_arguments(pool, Path("/m"), False, None, on_gpu=on_gpu)
+        return args.get("distributed_executor_backend")
+
+    assert backend(1, False, cpu_threads=1) == "uni"
+    assert backend(1, False) is None, "a bound engine keeps vLLM's worker process, which binds it"
+    assert backend(2, False, cpu_threads=1) is None, "ranks are processes"
+    assert backend(1, True, cpu_threads=1) is None, "vLLM's choice on a GPU"
+    alone = VllmEngineConfig(source="/models/small")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in cpu_environment(alone, [0, 1], 1)
 
 
 def test_speculation_is_ngram_unless_a_draft_model_is_set() -> None:
