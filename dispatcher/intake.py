@@ -48,6 +48,7 @@ class Intake(DispatcherState):
         batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]] = await self.consumer.getmany(
             timeout_ms=wait_ms, max_records=self.settings.fetch_max_records
         )
+        self.fetch_pacer.observe(sum(len(records) for records in batches.values()), time.monotonic())
         batch_records = []
         for tp, records in batches.items():
             kind = "batch" if tp.topic == self.batch_topic else "requests"

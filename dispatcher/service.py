@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import random
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -44,6 +45,7 @@ from dispatcher.view import WorkerView
 from openai_api.tokenizer import PromptTokenizer
 from plumbing.answers import AnswerSink
 from plumbing.clients import BusUnavailable
+from plumbing.fetch_pacing import FetchPacer
 from plumbing.health import Liveness
 from plumbing.protocol.request import CHUNK_SCRIPT
 from plumbing.state import follow_channel
@@ -67,6 +69,7 @@ class Dispatcher(Intake, Refreshers):
         self.names = settings.names
         self.redis = redis
         self.consumer = consumer
+        self.fetch_pacer = FetchPacer(consumer, settings.kafka_fetch_wait_ms, time.monotonic())
         self.producer = producer
         self.pool = settings.pool
         self.topic = self.names.requests_topic(settings.pool)

@@ -21,6 +21,7 @@ from dispatcher.placement import PlacementPolicy
 from dispatcher.settings import DispatcherSettings
 from dispatcher.view import WorkerView
 from plumbing.answers import AnswerSink
+from plumbing.fetch_pacing import FetchPacer
 from plumbing.health import Liveness
 from queue_schemas.config import DisaggregationConfig
 from queue_schemas.names import Names
@@ -34,6 +35,7 @@ class DispatcherState:
     names: Names
     redis: aioredis.Redis
     consumer: AIOKafkaConsumer
+    fetch_pacer: FetchPacer
     producer: AIOKafkaProducer
     pool: str
     topic: str  # the pool's requests topic
