@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +99,16 @@ class VllmEngine:
         )
         logger = stat_logger_class(llm_classes["StatLoggerBase"], self._figures)
         # The engine's processes are spawned during start-up and take the environment as it is then.
-        extra_env = self._cpu_environment(config)
-        os.environ.update(extra_env)
         try:
-            engine_args = llm_classes["AsyncEngineArgs"](**args)
-            self._llm = await asyncio.to_thread(
-                llm_classes["AsyncLLM"].from_engine_args, engine_args, stat_loggers=[logger]
-            )
+            with _SPAWN_ENVIRONMENT.held(self._cpu_environment(config)):
+                engine_args = llm_classes["AsyncEngineArgs"](**args)
+                self._llm = await asyncio.to_thread(
+                    llm_classes["AsyncLLM"].from_engine_args, engine_args, stat_loggers=[logger]
+                )
+        except StartFailed:
+            raise
         except Exception as exc:  # vLLM raises many kinds at start-up; all mean this model cannot be served
             raise StartFailed(f"vLLM failed to start {config.source}: {type(exc).__name__}: {exc}") from None
-        finally:
-            for key in extra_env:
-                os.environ.pop(key, None)
         cache = self._llm.vllm_config.cache_config
         if cache.block_size != self._pool.block_size:
             raise StartFailed(
@@ -134,12 +132,12 @@ class VllmEngine:
         await self._llm.pin_lora(self._base_lora.lora_int_id)
 
     def _cpu_environment(self, config: VllmEngineConfig) -> dict[str, str]:
-        """Thread settings for the engine's processes on CPU (values already in the environment win)."""
+        """Thread settings for the engine's processes on CPU (values already in the environment win: see
+        SpawnEnvironment)."""
         if _has_cuda():
             return {}
         cores = sorted(os.sched_getaffinity(0))
-        wanted = cpu_environment(config, cores, self._pool.tensor_parallel_size)
-        return {k: v for k, v in wanted.items() if k not in os.environ}
+        return cpu_environment(config, cores, self._pool.tensor_parallel_size)
 
     def _listen_for_kv_events(self) -> str:
         import zmq
@@ -290,6 +288,41 @@ class VllmEngine:
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None
+
+
+class SpawnEnvironment:
+    """The process environment that engines starting now need their processes to inherit. Several
+    engines of one process may start at once (a test's prefill and decode engines): each adds its
+    settings, which must agree with those already held, and the last to finish starting removes them.
+    A variable set before any engine started is left as it is."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, str] = {}
+        self._starting = 0
+
+    @contextlib.contextmanager
+    def held(self, wanted: dict[str, str]) -> Iterator[None]:
+        clash = {k for k, v in wanted.items() if self._held.get(k, v) != v}
+        if clash:
+            raise StartFailed(
+                f"engines starting at once in one process need the same CPU settings; {sorted(clash)} differ"
+            )
+        for key, value in wanted.items():
+            if key not in self._held and key not in os.environ:
+                self._held[key] = value
+                os.environ[key] = value
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
+            if not self._starting:
+                for key in self._held:
+                    os.environ.pop(key, None)
+                self._held.clear()
+
+
+_SPAWN_ENVIRONMENT = SpawnEnvironment()
 
 
 def _has_cuda() -> bool:

@@ -30,11 +30,18 @@ TIERS = (
     "chaos",
     "cluster",
 )  # the folders under tests/, one marker each
+ENGINE_GROUP, SERVICE_GROUP = "engines", "services"  # pytest-xdist's groups: one process runs each
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on.
-    The tiers run in the order of `TIERS`, the fastest signal first; within a tier, in collection order."""
+    The tiers run in the order of `TIERS`, the fastest signal first; within a tier, in collection order.
+
+    Under pytest-xdist (`make test` runs two processes with `--dist loadgroup`), the tests that start
+    real vLLM are one group and every other test the other: the engines' start-up, which is mostly one
+    core importing and loading, overlaps the service tests' waits on the broker, Redis and timers. Two
+    vLLM stacks never run at once, and each group keeps the order described here."""
     root = Path(__file__).parent
     tiers: dict[str, int] = {}
     for item in items:
@@ -42,6 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
+        item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP if "vllm" in item.keywords else SERVICE_GROUP))
         tiers[item.nodeid] = TIERS.index(tier)
     items.sort(key=lambda item: tiers[item.nodeid])  # stable: collection order within a tier
     _own_stacks_first(items)

@@ -5,6 +5,7 @@ tiny random-weight Llama and on SmolLM2."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from pathlib import Path
 
@@ -57,9 +58,10 @@ async def test_a_prompt_prefilled_on_one_engine_is_decoded_on_another_exactly(
 ) -> None:
     cache, storage = tmp_path / "cache", tmp_path / "kv"
     handoff = secrets.token_hex(16)
-    prefill = engine(source, cache, storage, "prefill")
-    await prefill.start()
+    prefill, decode = engine(source, cache, storage, "prefill"), engine(source, cache, storage, "decode")
     try:
+        # Both start at once; the decode engine runs nothing until the prefill engine has saved the KV.
+        await asyncio.gather(prefill.start(), decode.start())
         # The handoff's prefill: one token, with the prompt's KV saved under the handoff's id alone.
         prefilled = await run(prefill, PROMPT, 1, "prefill-00000000001", KvTransfer(handoff, save=True))
         assert prefilled[-1].cached_tokens == 0
@@ -70,11 +72,6 @@ async def test_a_prompt_prefilled_on_one_engine_is_decoded_on_another_exactly(
         assert [p.name for p in storage.iterdir()] == [handoff]
         # The single-engine answer: this engine computed the prompt itself.
         single = await run(prefill, PROMPT, 24, "single-000000000001", None)
-    finally:
-        await prefill.close()
-    decode = engine(source, cache, storage, "decode")
-    await decode.start()
-    try:
         # The decode engine loads it: the prompt's leading whole blocks (less its last token) count as
         # cached (the external hit: this engine never saw the prompt), and its greedy tokens are the
         # single engine's.
@@ -88,4 +85,5 @@ async def test_a_prompt_prefilled_on_one_engine_is_decoded_on_another_exactly(
         )
         assert elsewhere[-1].cached_tokens == 0
     finally:
+        await prefill.close()
         await decode.close()

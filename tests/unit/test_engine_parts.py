@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -282,3 +283,24 @@ def test_the_zero_adapter_copies_the_shapes_and_is_made_again_when_they_change(t
     zero_adapter(like, dest)
     assert load_file(str(dest / "adapter_model.safetensors"))["a"].shape == (4, 4)
     assert json.loads((dest / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_engines_starting_at_once_share_their_spawn_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_workers.vllm_engine import SpawnEnvironment
+
+    monkeypatch.delenv("SLUICE_TEST_THREADS", raising=False)
+    monkeypatch.setenv("SLUICE_TEST_SET_BEFORE", "mine")
+    spawn = SpawnEnvironment()
+    first = spawn.held({"SLUICE_TEST_THREADS": "1", "SLUICE_TEST_SET_BEFORE": "engine's"})
+    second = spawn.held({"SLUICE_TEST_THREADS": "1"})
+    first.__enter__()
+    second.__enter__()
+    assert os.environ["SLUICE_TEST_THREADS"] == "1"
+    assert os.environ["SLUICE_TEST_SET_BEFORE"] == "mine", "a variable set before any engine stands"
+    with pytest.raises(StartFailed, match="SLUICE_TEST_THREADS"), spawn.held({"SLUICE_TEST_THREADS": "2"}):
+        pass
+    first.__exit__(None, None, None)
+    assert os.environ["SLUICE_TEST_THREADS"] == "1", "the second engine is still starting"
+    second.__exit__(None, None, None)
+    assert "SLUICE_TEST_THREADS" not in os.environ
+    assert os.environ["SLUICE_TEST_SET_BEFORE"] == "mine"
