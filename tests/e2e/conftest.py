@@ -49,6 +49,16 @@ max_replicas = 0
 name = "shared"          # teams reuse each other's cached prefixes (opted in)
 model = "sluice-shared"
 shared_prefix_cache = true
+[pools.scaling]          # one worker: a repeat meets the cache its first request filled
+min_replicas = 1
+max_replicas = 1
+
+[[pools]]
+name = "private"         # the default, per-team prefixes, on one worker like `shared`
+model = "sluice-private"
+[pools.scaling]
+min_replicas = 1
+max_replicas = 1
 
 [[pools]]
 name = "tok"             # a real BPE tokenizer and chat template from a model folder
