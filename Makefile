@@ -48,7 +48,7 @@ $(PROMTOOL):
 promtool: $(PROMTOOL)
 
 test: lint typecheck browser promtool
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 2 --dist loadgroup --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 2 --durations=25
 
 # The quick loop: lint, types and the unit tier (under a minute).
 check: lint typecheck promtool

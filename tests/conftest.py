@@ -30,18 +30,41 @@ TIERS = (
     "chaos",
     "cluster",
 )  # the folders under tests/, one marker each
-ENGINE_GROUP, SERVICE_GROUP = "engines", "services"  # pytest-xdist's groups: one process runs each
+ENGINE_GROUP, SERVICE_GROUP = "engines", "services"  # the two pytest-xdist processes' shares
+# The tests that start real vLLM (marked `vllm`; collection checks that each is under one of these).
+ENGINE_PATHS = (
+    "tests/engine/",
+    "tests/e2e/smollm2/",
+    "tests/e2e/test_lora.py",
+    "tests/e2e/test_dev_command.py",
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def process_group(nodeid: str) -> str:
+    return ENGINE_GROUP if nodeid.startswith(ENGINE_PATHS) else SERVICE_GROUP
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Two shares, one per process: the tests that start vLLM, whose engines' start-up is mostly one
+    core importing and loading, and the others, which wait on the broker, Redis and timers as much as
+    they compute. Each share runs whole in one process, in collection order, so a package's or module's
+    stack starts once, and two vLLM stacks never run at once. (pytest-xdist's own `loadgroup` marks
+    groups by renaming test ids, which pytest 9.2 no longer allows.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoShares(LoadScopeScheduling):  # type: ignore[misc]  # pytest-xdist is untyped
+        def _split_scope(self, nodeid: str) -> str:
+            return process_group(nodeid)
+
+    return TwoShares(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on.
     The tiers run in the order of `TIERS`, the fastest signal first; within a tier, in collection order.
 
-    Under pytest-xdist (`make test` runs two processes with `--dist loadgroup`), the tests that start
-    real vLLM are one group and every other test the other: the engines' start-up, which is mostly one
-    core importing and loading, overlaps the service tests' waits on the broker, Redis and timers. Two
-    vLLM stacks never run at once, and each group keeps the order described here."""
+    Under pytest-xdist (`make test` runs two processes), the tests that start real vLLM run in one and
+    every other test in the other (`pytest_xdist_make_scheduler`), each in the order described here."""
     root = Path(__file__).parent
     tiers: dict[str, int] = {}
     for item in items:
@@ -49,7 +72,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
-        item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP if "vllm" in item.keywords else SERVICE_GROUP))
+        if "vllm" in item.keywords and process_group(item.nodeid) != ENGINE_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} starts vLLM: add its path to ENGINE_PATHS")
         tiers[item.nodeid] = TIERS.index(tier)
     items.sort(key=lambda item: tiers[item.nodeid])  # stable: collection order within a tier
     _own_stacks_first(items)
