@@ -34,6 +34,7 @@ from gpu_workers.vllm_args import (
     cpu_environment,
     engine_arguments,
     finish_reason,
+    one_process_on_cpu,
     sampling_arguments,
 )
 from gpu_workers.vllm_lora import BASE_ADAPTER, check_adapter, zero_adapter
@@ -116,7 +117,7 @@ class VllmEngine:
                 f"{cache.block_size}; set block_size = {cache.block_size} in the pool configuration"
             )
         self._blocks_total = int(cache.num_gpu_blocks or 0)
-        self._one_process = self._llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
+        self._one_process = not _has_cuda() and one_process_on_cpu(config, self._pool.tensor_parallel_size)
         if self._pool.adapters and not _has_cuda():
             await self._pin_base_adapter()
 
@@ -303,6 +304,9 @@ class SpawnEnvironment:
     @contextlib.contextmanager
     def held(self, wanted: dict[str, str]) -> Iterator[None]:
         clash = {k for k, v in wanted.items() if self._held.get(k, v) != v}
+        if self._starting:  # and a variable one engine sets and the other leaves unset
+            ours = {k for k in wanted if k in self._held or k not in os.environ}
+            clash |= ours ^ set(self._held)
         if clash:
             raise StartFailed(
                 f"engines starting at once in one process need the same CPU settings; {sorted(clash)} differ"

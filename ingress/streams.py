@@ -285,7 +285,7 @@ class StreamHub:
                 await shard.reader
         with contextlib.suppress(RedisError, OSError):
             if shard.pubsub is not None:
-                await shard.pubsub.aclose()  # type: ignore[no-untyped-call]
+                await shard.pubsub.aclose()
             if shard.redis is not self._redis:
                 await shard.redis.aclose()
 
@@ -414,7 +414,7 @@ class StreamHub:
         shard.connected.clear()
         if shard.pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
-                await shard.pubsub.aclose()  # type: ignore[no-untyped-call]
+                await shard.pubsub.aclose()
         shard.pubsub = shard.redis.pubsub()
         channels = set(shard.channels)
         # The control channel keeps the connection subscribed even when no request is open.

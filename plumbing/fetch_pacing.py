@@ -30,7 +30,7 @@ class FetchPacer:
     version) the pacer does nothing and the configured wait stays."""
 
     def __init__(self, consumer: Any, configured_ms: int, now: float) -> None:
-        self._fetcher = getattr(consumer, "_fetcher", None)
+        self._consumer = consumer  # its fetcher exists once it has started
         self._configured_ms = configured_ms
         self._last_record = now
         self.wait_ms = configured_ms
@@ -40,7 +40,7 @@ class FetchPacer:
         if records:
             self._last_record = now
         wait = fetch_wait_ms(self._configured_ms, now - self._last_record)
-        if wait != self.wait_ms:
-            self.wait_ms = wait
-            if self._fetcher is not None and hasattr(self._fetcher, "_fetch_max_wait_ms"):
-                self._fetcher._fetch_max_wait_ms = wait
+        fetcher = getattr(self._consumer, "_fetcher", None)
+        if fetcher is not None and getattr(fetcher, "_fetch_max_wait_ms", wait) != wait:
+            fetcher._fetch_max_wait_ms = wait
+        self.wait_ms = wait

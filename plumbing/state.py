@@ -85,7 +85,7 @@ async def follow_channel(
             # Bounded: closing talks to Redis, and a service stopping (this task cancelled) must not
             # wait on a connection that does not answer.
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT_S)  # type: ignore[no-untyped-call]
+                await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT_S)
 
 
 async def _handle_one(

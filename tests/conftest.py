@@ -6,6 +6,7 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -44,17 +45,33 @@ def process_group(nodeid: str) -> str:
     return ENGINE_GROUP if nodeid.startswith(ENGINE_PATHS) else SERVICE_GROUP
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: plain pytest runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Two shares, one per process: the tests that start vLLM, whose engines' start-up is mostly one
     core importing and loading, and the others, which wait on the broker, Redis and timers as much as
     they compute. Each share runs whole in one process, in collection order, so a package's or module's
     stack starts once, and two vLLM stacks never run at once. (pytest-xdist's own `loadgroup` marks
     groups by renaming test ids, which pytest 9.2 no longer allows.)"""
+    if config.getvalue("dist") != "load":  # what `-n` alone means; another `--dist` is the user's choice
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class TwoShares(LoadScopeScheduling):  # type: ignore[misc]  # pytest-xdist is untyped
         def _split_scope(self, nodeid: str) -> str:
             return process_group(nodeid)
+
+        def remove_node(self, node: Any) -> str | None:
+            """A process that died mid-test: its test counts as run (xdist reports the crash), and the
+            rest of its share goes to a new process, which would otherwise start with the same test."""
+            for unit in self.assigned_work.get(node, {}).values():
+                pending = [nodeid for nodeid, done in unit.items() if not done]
+                if pending:
+                    crashed: str = pending[0]
+                    unit[crashed] = True
+                    super().remove_node(node)
+                    return crashed
+            result: str | None = super().remove_node(node)
+            return result
 
     return TwoShares(config, log)
 

@@ -61,7 +61,9 @@ async def test_a_prompt_prefilled_on_one_engine_is_decoded_on_another_exactly(
     prefill, decode = engine(source, cache, storage, "prefill"), engine(source, cache, storage, "decode")
     try:
         # Both start at once; the decode engine runs nothing until the prefill engine has saved the KV.
-        await asyncio.gather(prefill.start(), decode.start())
+        started = await asyncio.gather(prefill.start(), decode.start(), return_exceptions=True)
+        for failed in (s for s in started if isinstance(s, BaseException)):
+            raise failed  # both starts have ended: `finally` closes whichever engine came up
         # The handoff's prefill: one token, with the prompt's KV saved under the handoff's id alone.
         prefilled = await run(prefill, PROMPT, 1, "prefill-00000000001", KvTransfer(handoff, save=True))
         assert prefilled[-1].cached_tokens == 0

@@ -68,7 +68,7 @@ async def test_the_first_chunk_goes_out_only_with_a_successful_start(bus: Bus) -
         assert await redis.get(names.started("b")) == b"w1"
         assert not await redis.exists(names.replay("b"))
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()
         await listener.aclose()
         await redis.aclose()
 

@@ -46,7 +46,7 @@ async def test_concurrent_publishes_share_round_trips_and_keep_per_channel_order
         assert publisher.round_trips < 401 / 4, "eight concurrent streams shared their round trips"
     finally:
         await publisher.close()
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()
         await listener.aclose()
         await redis.aclose()
 
