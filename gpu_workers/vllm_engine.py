@@ -34,7 +34,6 @@ from gpu_workers.vllm_args import (
     cpu_environment,
     engine_arguments,
     finish_reason,
-    one_process_on_cpu,
     sampling_arguments,
 )
 from gpu_workers.vllm_lora import BASE_ADAPTER, check_adapter, zero_adapter
@@ -117,7 +116,7 @@ class VllmEngine:
                 f"{cache.block_size}; set block_size = {cache.block_size} in the pool configuration"
             )
         self._blocks_total = int(cache.num_gpu_blocks or 0)
-        self._one_process = not _has_cuda() and one_process_on_cpu(config, self._pool.tensor_parallel_size)
+        self._one_process = args.get("distributed_executor_backend") == "uni"  # chosen by engine_arguments
         if self._pool.adapters and not _has_cuda():
             await self._pin_base_adapter()
 
