@@ -22,10 +22,11 @@ from plumbing.clients import redis_client
 from plumbing.replay import read_log
 from queue_schemas.codec import encode
 from queue_schemas.config import SimulatedEngineConfig
-from queue_schemas.messages import ErrorChunk, FinalChunk, StreamEvent, TokenChunk
+from queue_schemas.messages import ErrorChunk, FinalChunk, FinishReason, StreamEvent, TokenChunk, Usage
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
 from tests.integration.helpers import make_request, pipeline
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,3 +90,55 @@ async def test_a_stream_goes_on_without_a_gap_through_a_redis_restart(
         logged = await read_log(p.redis, names, req.request_id)
         assert text == "".join(e.text for e in logged if isinstance(e, TokenChunk | FinalChunk))
         assert len(text) == seen[-1].usage.completion_tokens == 80
+
+
+async def test_a_last_chunk_published_while_the_hub_reconnects_still_ends_the_stream(
+    own_redis: tuple[Bus, list[ManagedProcess]],
+) -> None:
+    """The final chunk is published while the hub's pub/sub connection is down. No later chunk reveals the
+    gap, so only the catch-up the hub asks for when it has subscribed again delivers it: without that the
+    stream would wait out its deadline."""
+    private, _ = own_redis
+    settings = private.settings()
+    names = settings.names
+    req = make_request("sim", "last-chunk-in-the-gap", deadline_s=20)
+    channel = names.stream_channel(req.request_id)
+    writer = redis_client(settings)
+    hub_redis = redis_client(settings, retry=False)
+    hub = StreamHub(hub_redis, names.ingress_control_channel(), outage_s=30)
+    await hub.start()
+    try:
+
+        async def connected() -> bool:
+            return hub.connected
+
+        await eventually(connected, 10, "the hub connected")
+        sub = await hub.subscribe(channel)
+
+        async def publish(event: StreamEvent) -> int:
+            """What a worker's chunk write does: into the log, then to the channel. How many
+            subscribers the channel had when it was published."""
+            payload = encode(event)
+            await writer.hset(names.replay(req.request_id), str(event.seq), payload)
+            return int(await writer.publish(channel, payload))
+
+        first = TokenChunk(request_id=req.request_id, seq=0, text="Hello", num_tokens=1)
+        assert await publish(first) == 1, "the hub is subscribed"
+        last = FinalChunk(
+            request_id=req.request_id, seq=1, text=" there", num_tokens=1, finish_reason=FinishReason.STOP,
+            usage=Usage(prompt_tokens=50, completion_tokens=2), worker_id="w0",
+        )  # fmt: skip
+        killed = await writer.client_kill_filter(_type="pubsub")
+        assert killed == 1, "the hub's pub/sub connection, the only one on this server"
+        assert await publish(last) == 0, "the final chunk was published while the hub was disconnected"
+
+        async def read(rid: str, from_seq: int) -> list[StreamEvent]:
+            return await read_log(writer, names, rid, from_seq)
+
+        seen = [event async for event in events(sub, req, read)]
+        await sub.close()
+    finally:
+        await hub.close()
+        await hub_redis.aclose()
+        await writer.aclose()
+    assert seen == [first, last]
