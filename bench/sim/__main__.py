@@ -4,8 +4,8 @@
   exact views and with heartbeat views;
 - workloads: every router on multi-turn chat, bursty code completion and a batch flood, over seeds;
 - priority: the batch flood on engines that schedule first come first served and by priority;
-- scaling: the scaling rules on a diurnal day, 3-minute start-up, over seeds, with KEDA's lag threshold
-  swept;
+- scaling: the scaling rules on a diurnal day, 3-minute start-up, over seeds, each rule's knob swept (its
+  violation-minutes against GPU-hours are the frontier plot);
 - llmd: llm-d's precise-prefix-cache benchmark as llm-d describes it (llmd_experiment.py);
 - scale: 64 replicas and one hour of shared-prefix traffic, timed;
 - lora: 50 LoRA adapters of Zipf popularity over 8 replicas holding 8 each: sluice's adapter-affinity
@@ -37,7 +37,7 @@ from bench.sim.routers import LORA_ROUTERS, ROUTERS, make_router
 from bench.sim.scalers import (
     DynamoPlannerScaler,
     KedaScaler,
-    LlmdTokenScaler,
+    LlmdWvaScaler,
     ReactiveScaler,
     SluiceScaler,
 )
@@ -48,7 +48,6 @@ from bench.sim.workloads import (
     batch_flood,
     bursty_code,
     diurnal,
-    diurnal_rate,
     lora_zipf,
     multi_turn,
     shared_prefix,
@@ -277,9 +276,10 @@ def lora(args: argparse.Namespace) -> None:
                 run_table(title, runs, pool, LORA_HEADER, row)
 
 
-SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-tokens")
+SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-wva")
 SCALING_HEADER = (
-    "| scaler | SLO-violation minutes | GPU-hours | p90 TTFT s | p99 TTFT s | peak replicas | unfinished |"
+    "| scaler | setting | SLO-violation minutes | GPU-hours | p90 TTFT s | p99 TTFT s | peak replicas "
+    "| unfinished |"
 )
 
 
@@ -293,23 +293,29 @@ class ScalingRun:
     startup: float
     capacity: float
     prior_startup: float
+    variant: str = ""
 
 
 def make_scaler(run: ScalingRun) -> Scaler:
     model = TimingModel(max_seqs=64)
     if run.scaler == "sluice":
-        policy = ScalingPolicy(min_replicas=1, max_replicas=64, queue_slo_s=30, target_utilization=0.8)
+        policy = ScalingPolicy(
+            min_replicas=1, max_replicas=64, queue_slo_s=30, target_utilization=run.setting
+        )
         return SluiceScaler(policy, capacity_default=run.capacity, startup_s=run.prior_startup)
     if run.scaler == "keda":
         return KedaScaler(1, 64, lag_threshold=int(run.setting))
     if run.scaler == "reactive":
-        return ReactiveScaler(1, 64, concurrency=model.max_seqs)
+        return ReactiveScaler(1, 64, concurrency=model.max_seqs, target=run.setting)
     if run.scaler == "dynamo-planner":
         # The profiled TTFT: one step with a 1,350-token prompt of which 1,000 are cached, at 64 running.
         expected = model.decode_base_s + 64 * model.decode_per_seq_s + 350 * model.prefill_per_token_s
-        return DynamoPlannerScaler(1, 64, run.capacity, expected_ttft_s=expected, interval_s=run.setting)
-    if run.scaler == "llm-d-tokens":
-        return LlmdTokenScaler(1, 64, prefill_tokens_per_s=1 / model.prefill_per_token_s, ttft_slo_s=2.0)
+        return DynamoPlannerScaler(
+            1, 64, run.capacity, expected_ttft_s=expected, interval_s=run.setting,
+            correction=run.variant != "no correction",
+        )  # fmt: skip
+    if run.scaler == "llm-d-wva":
+        return LlmdWvaScaler(1, 64, every_s=run.setting)
     raise ValueError(run.scaler)
 
 
@@ -326,54 +332,55 @@ def scaling_one(run: ScalingRun) -> tuple[int, float, float, float, int, int]:
     return minutes, s.gpu_hours, s.ttft_p90, s.ttft_p99, peak, out.unfinished
 
 
-def scaling(args: argparse.Namespace) -> None:
-    settings: list[tuple[str, str, float]] = [
-        ("sluice", "sluice", 0.0),
-        *[(f"keda, lagThreshold {t}", "keda", float(t)) for t in args.lag_thresholds],
-        ("reactive (HPA, 70% of 64 per replica)", "reactive", 0.0),
-        *[(f"dynamo-planner, {i:g} s interval", "dynamo-planner", float(i)) for i in args.planner_intervals],
-        ("llm-d token-aware", "llm-d-tokens", 0.0),
+def scaling_settings(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
+    """(rule, setting as printed, knob value, variant) for every point of the frontier."""
+    settings: list[tuple[str, str, float, str]] = [
+        *[("sluice", f"target utilisation {u:g}", u, "") for u in args.sluice_targets],
+        *[("keda", f"lagThreshold {t}", float(t), "") for t in args.lag_thresholds],
+        *[("reactive", f"HPA target {u:g} of 64", u, "") for u in args.reactive_targets],
+        *[
+            ("dynamo-planner", f"{i:g} s, {variant}", float(i), variant)
+            for variant in ("corrected", "no correction")
+            for i in args.planner_intervals
+        ],
+        *[("llm-d-wva", f"every {e:g} s", float(e), "") for e in args.wva_intervals],
     ]
-    settings = [(label, kind, value) for label, kind, value in settings if kind in args.scalers]
+    return [row for row in settings if row[0] in args.scalers]
+
+
+def scaling(args: argparse.Namespace) -> None:
+    settings = scaling_settings(args)
     print(
         f"\ndiurnal: peak {args.peak:g} req/s, day of {args.day_s / 3600:.0f} h, "
         f"start-up {args.startup:.0f} s; seeds {args.seeds}; "
         f"sluice's start-up prior {args.prior_startup:.0f} s (it measures the real one)"
     )
     print(SCALING_HEADER)
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    points: dict[str, list[tuple[str, float, float]]] = {}
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = {
-            label: [
+            (kind, label): [
                 pool.submit(scaling_one, ScalingRun(kind, value, seed, args.peak, args.day_s, args.startup,
-                                                    args.capacity, args.prior_startup))
+                                                    args.capacity, args.prior_startup, variant))
                 for seed in args.seeds
             ]
-            for label, kind, value in settings
+            for kind, label, value, variant in settings
         }  # fmt: skip
-        for label, fs in futures.items():
+        for (kind, label), fs in futures.items():
             rows = [f.result() for f in fs]
+            minutes = statistics.median(r[0] for r in rows)
+            hours = statistics.median(r[1] for r in rows)
+            points.setdefault(kind, []).append((label, hours, minutes))
             print(
-                f"| {label} | {spread([r[0] for r in rows], '.0f')} | {spread([r[1] for r in rows], '.0f')} "
-                f"| {spread([r[2] for r in rows], '.3f')} | {spread([r[3] for r in rows], '.2f')} "
-                f"| {spread([r[4] for r in rows], '.0f')} | {spread([r[5] for r in rows], '.0f')} |",
+                f"| {kind} | {label} | {spread([r[0] for r in rows], '.0f')} "
+                f"| {spread([r[1] for r in rows], '.0f')} | {spread([r[2] for r in rows], '.3f')} "
+                f"| {spread([r[3] for r in rows], '.2f')} | {spread([r[4] for r in rows], '.0f')} "
+                f"| {spread([r[5] for r in rows], '.0f')} |",
                 flush=True,
             )
     if args.plots:
-        timelines = {}
-        for label, kind, value in settings:
-            if kind == "keda" and value != args.lag_thresholds[0]:
-                continue
-            run = ScalingRun(kind, value, args.seeds[0], args.peak, args.day_s, args.startup, args.capacity,
-                             args.prior_startup)  # fmt: skip
-            w = diurnal(peak=run.peak, day_s=run.day_s)
-            out = simulate(
-                functools.partial(make_router, "sluice", run.seed), TimingModel(max_seqs=64), w.requests,
-                w.duration_s, 1, seed=run.seed, scaler=make_scaler(run), startup_s=run.startup,
-                heartbeat_s=1.0,
-            )  # fmt: skip
-            timelines[label] = out.timeline
-        plot_scaling(timelines, args, args.plots / "sim_scaling.png")
+        plot_frontier(points, args, args.plots / "sim_scaling_frontier.png")
 
 
 def scale(args: argparse.Namespace) -> None:
@@ -424,27 +431,34 @@ def plot_placement(by_views: dict[str, dict[float, dict[str, list[Result]]]], pa
     fig.savefig(path, dpi=110)
 
 
-def plot_scaling(
-    timelines: dict[str, list[tuple[float, int, int, int]]], args: argparse.Namespace, path: Path
+def plot_frontier(
+    points: dict[str, list[tuple[str, float, float]]], args: argparse.Namespace, path: Path
 ) -> None:
+    """Each rule's violation-minutes against its GPU-hours, one point per knob setting (medians of the
+    seeds), joined in the order of the knob."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for name, timeline in timelines.items():
-        ax.step(
-            [t / 3600 for t, *_ in timeline], [r + s for _, r, s, _ in timeline], where="post", label=name
-        )
-    ax2 = ax.twinx()
-    hours = [i / 60 for i in range(int(args.day_s / 60))]
-    ax2.plot(hours, [diurnal_rate(h * 3600, args.peak, args.day_s) for h in hours], color="grey", alpha=0.4)
-    ax2.set_ylabel("arrival rate, requests/s (grey)")
-    ax.set_xlabel("hour of the simulated day")
-    ax.set_ylabel("replicas (ready + starting)")
-    ax.set_title(f"Diurnal day, {args.startup:.0f} s start-up")
-    ax.legend(fontsize=8, loc="upper left")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for kind, rows in points.items():
+        by_variant: dict[str, list[tuple[str, float, float]]] = {}
+        for label, hours, minutes in rows:
+            variant = label.split(", ", 1)[1] if kind == "dynamo-planner" else ""
+            by_variant.setdefault(variant, []).append((label, hours, minutes))
+        for variant, pts in by_variant.items():
+            name = f"{kind} ({variant})" if variant else kind
+            ax.plot([h for _, h, _ in pts], [m for _, _, m in pts], marker="o", label=name)
+    ax.set_xlabel("GPU-hours (replica-hours) over the day")
+    ax.set_ylabel("SLO-violation minutes (p90 TTFT over 2 s)")
+    ax.set_title(
+        f"Scaling rules on a diurnal day (peak {args.peak:g} req/s, {args.startup:.0f} s start-up): "
+        "lower left is better",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -473,7 +487,10 @@ def main() -> None:
     parser.add_argument("--prior-startup", type=float, default=60.0, help="sluice's start-up before measured")
     parser.add_argument("--capacity", type=float, default=9.0, help="profiled requests/s per replica")
     parser.add_argument("--lag-thresholds", type=int, nargs="+", default=[10, 50, 100, 200, 400, 800])
+    parser.add_argument("--sluice-targets", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9])
+    parser.add_argument("--reactive-targets", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
     parser.add_argument("--planner-intervals", type=float, nargs="+", default=[180.0, 60.0])
+    parser.add_argument("--wva-intervals", type=float, nargs="+", default=[60.0, 30.0])
     parser.add_argument(
         "--scalers", nargs="+", default=list(SCALERS), choices=SCALERS, help="for `scaling`: which rules"
     )

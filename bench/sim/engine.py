@@ -12,17 +12,20 @@ end of the first step that begins after its admission: as in vLLM, a prompt that
 runs joins the next one, so even a fully cached prompt waits out the rest of the current step and one
 more.
 
-KV: a sequence holds the blocks of its uncached prompt tokens and of its output; the prefix cache (the
-simulated engine's `PrefixCache`) keeps prompt blocks by chain hash in what is left, least recently used
-first out. A request is admitted when a sequence slot and its blocks are free; otherwise it waits.
+KV, as vLLM allocates it: a request is admitted when a sequence slot and the blocks of its uncached prompt
+are free; otherwise it waits. A decoding sequence then takes a block for every `block_size` tokens it
+generates, so what a replica reports as used never depends on how long a running request's output will
+turn out to be. When the growing sequences fill the KV, the engine preempts one (vLLM's recompute
+preemption: the latest admitted under `fcfs`, the lowest priority and latest arrival under `priority`):
+it frees its blocks and waits again, at the front of the queue, to compute its prompt and its output so
+far once more. The prefix cache (the simulated engine's `PrefixCache`) keeps prompt blocks by chain hash
+in what is left, least recently used first out.
 
 Scheduling `fcfs` (vLLM's default): waiting requests are admitted, and prefilled, in arrival order.
 `priority` (vLLM's priority scheduler): interactive requests wait, and are prefilled, ahead of batch
 requests that have not begun their prefill, and an interactive request that finds too few free blocks
 preempts decoding batch requests, the latest arrival first: each frees its blocks and waits again, and
-when re-admitted computes its prompt and its output so far again (vLLM's recompute preemption), then
-decodes the rest. vLLM preempts when a running request cannot grow; a sequence here holds its output's
-blocks from admission, so the same exchange of blocks happens when the interactive request is admitted.
+when re-admitted computes its prompt and its output so far again, then decodes the rest.
 
 LoRA adapters (`max_loras` > 0), as vLLM serves them: a replica holds up to `max_loras` adapters, the
 least recently used evicted; a request whose adapter is not held loads it when admitted, which takes
@@ -116,6 +119,8 @@ class Seq:
     finish_step: float = 0.0
     first_step: int = 0  # the earliest step whose end can bring its first token
     generated: int = 0  # output tokens it had when it was preempted (it computes them again)
+    decoding: bool = False
+    grow_from: float = 0.0  # the step count at which it began decoding: it has generated steps - this
 
 
 @dataclass(eq=False)
@@ -130,11 +135,13 @@ class Replica:
     steps: float = 0.0
     prefill_done: float = 0.0
     prefill_end: float = 0.0
-    own_used: int = 0
+    own_used: int = 0  # prompt blocks of the admitted sequences (what decoding adds is counted apart)
+    _growing: int = 0  # decoding sequences: each takes a token's KV per step
+    _grow_from_sum: float = 0.0  # the sum of their `grow_from`
     waiting: deque[Seq] = field(default_factory=deque)
     prefilling: deque[Seq] = field(default_factory=deque)
     running: list[tuple[float, int, Seq]] = field(default_factory=list)  # heap by finish step
-    running_blocks: int = 0
+    running_blocks: int = 0  # prompt blocks of the decoding sequences
     version: int = 0
     completed: int = 0
     completions: CompletionRate = field(default_factory=CompletionRate)  # as a worker's heartbeat counts
@@ -178,9 +185,16 @@ class Replica:
         """vLLM's num_requests_running: decoding sequences plus the prompts in prefill this step."""
         return len(self.running) + len(self.prefilling) - self._unscheduled_prompts()
 
+    def grown_tokens(self) -> float:
+        """Tokens the decoding sequences have generated since they began (each adds one per step)."""
+        return max(0.0, self._growing * self.steps - self._grow_from_sum)
+
+    def used_blocks(self) -> int:
+        return self.own_used + math.ceil(self.grown_tokens() / self.model.block_size - EPS)
+
     @property
     def free_blocks(self) -> int:
-        return self.model.kv_blocks - self.own_used
+        return self.model.kv_blocks - self.used_blocks()
 
     @property
     def completed_per_s(self) -> float:
@@ -199,10 +213,14 @@ class Replica:
         return math.ceil(self.prefill_tokens() / self.model.block_size)
 
     def decode_blocks(self) -> int:
-        return self.running_blocks
+        """Blocks of the decoding sequences: their prompts and what they have generated so far."""
+        return self.running_blocks + math.ceil(self.grown_tokens() / self.model.block_size - EPS)
 
     def matched(self, blocks: tuple[str, ...]) -> int:
         return leading_cached(self.cache, blocks)
+
+    def indexed(self, blocks: tuple[str, ...]) -> int:
+        return self.matched(blocks)
 
     # time
     def step_s(self) -> float:
@@ -224,15 +242,24 @@ class Replica:
         self.now = now
 
     def next_event(self) -> float:
-        """When the next prompt finishes prefill or the next sequence finishes; inf when idle."""
+        """When the next prompt finishes prefill, the next sequence finishes or the decoding sequences
+        fill the KV; inf when idle."""
         if not self.prefilling and not self.running:
             return math.inf
         steps = math.inf
         if self.prefilling:
             steps = (self.prefilling[0].cum_end - self.prefill_done) / self.model.chunk_tokens
         if self.running:
-            steps = min(steps, self.running[0][0] - self.steps)
+            steps = min(steps, self.running[0][0] - self.steps, self._steps_to_full())
         return self.now + max(0.0, steps) * self.step_s()
+
+    def _steps_to_full(self) -> float:
+        """Steps until a decoding sequence needs a block and none is free (never for a sequence alone
+        on the replica: it was let through, see `admit`)."""
+        if not self._growing or len(self.running) + len(self.prefilling) <= 1:
+            return math.inf
+        room = (self.model.kv_blocks - self.own_used) * self.model.block_size
+        return (room + 1 + self._grow_from_sum) / self._growing - self.steps
 
     # work
     def place(self, request: Request, now: float) -> None:
@@ -245,10 +272,13 @@ class Replica:
         self._wait(Seq(request, 0))
         self.admit()
 
-    def _wait(self, seq: Seq) -> None:
-        """Join the waiting queue: at its end, or under `priority`, behind its own band and the ones
-        before it (in arrival order within a band)."""
+    def _wait(self, seq: Seq, front: bool = False) -> None:
+        """Join the waiting queue: at its end (or its head, `front`), or under `priority`, behind its own
+        band and the ones before it (in arrival order within a band)."""
         self.waiting_tokens += seq.request.prompt_tokens + seq.generated
+        if front:
+            self.waiting.appendleft(seq)
+            return
         if self.model.scheduling != "priority":
             self.waiting.append(seq)
             return
@@ -272,7 +302,7 @@ class Replica:
                 len(r.blocks) if r.loaded and not seq.generated else leading_cached(self.cache, r.blocks)
             )
             uncached = max(1, r.prompt_tokens + seq.generated - matched * m.block_size)
-            need = math.ceil((uncached + r.output_tokens - seq.generated) / m.block_size)
+            need = math.ceil(uncached / m.block_size)
             if need > self.free_blocks and m.scheduling == "priority":
                 self._preempt_for(r.band, need)
             if need > self.free_blocks:
@@ -287,7 +317,7 @@ class Replica:
                 r.cached_tokens = matched * m.block_size
             seq.own_blocks = need
             self.own_used += need
-            self.cache.capacity = max(1, m.kv_blocks - self.own_used)
+            self._fit_cache()
             self.cache.insert(r.blocks)
             if self.cache_log is not None:
                 self.cache_log.append((self.cache.capacity, r.blocks))
@@ -296,6 +326,34 @@ class Replica:
             seq.uncached = uncached
             self._queue_prefill(seq)
             seq.first_step = math.ceil(self.steps - EPS) + 1  # the step after the one in progress
+
+    def _fit_cache(self) -> None:
+        """The prefix cache keeps what the sequences leave of the KV."""
+        self.cache.capacity = max(1, self.model.kv_blocks - self.used_blocks())
+
+    def _blocks_of(self, seq: Seq) -> int:
+        """The blocks a sequence holds: its prompt's, and if decoding, those of its output so far."""
+        if not seq.decoding:
+            return seq.own_blocks
+        return seq.own_blocks + math.ceil(max(0.0, self.steps - seq.grow_from) / self.model.block_size - EPS)
+
+    def _start_decoding(self, seq: Seq) -> None:
+        seq.decoding, seq.grow_from = True, self.steps
+        self._growing += 1
+        self._grow_from_sum += seq.grow_from
+        self.running_blocks += seq.own_blocks
+
+    def _stop_decoding(self, seq: Seq) -> int:
+        """It leaves the decoding sequences; returns the blocks it held, which are free again."""
+        held = self._blocks_of(seq)
+        seq.decoding = False
+        self._growing -= 1
+        self._grow_from_sum -= seq.grow_from
+        if not self._growing:
+            self._grow_from_sum = 0.0
+        self.running_blocks -= seq.own_blocks
+        self.own_used -= seq.own_blocks
+        return held
 
     def _adapter_fits(self, adapter: int) -> bool:
         """Whether a sequence of `adapter` may join the admitted ones (at most max_loras adapters)."""
@@ -375,25 +433,37 @@ class Replica:
         while victims and need > free:
             victim = victims.pop()
             chosen.append(victim)
-            free += victim.own_blocks
+            free += self._blocks_of(victim)
         if need > free:
             return  # preempting would not make room: nothing is preempted
         for victim in chosen:
             self._preempt(victim)
 
-    def _preempt(self, seq: Seq) -> None:
+    def _preempt(self, seq: Seq, front: bool = False) -> None:
+        """Free its blocks and send it back to wait (`front`: ahead of the others, as vLLM puts a
+        sequence it preempted for lack of blocks back at the head of its waiting queue under fcfs)."""
         self.running = [entry for entry in self.running if entry[2] is not seq]
         heapq.heapify(self.running)
-        self.running_blocks -= seq.own_blocks
-        self.own_used -= seq.own_blocks
-        self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
+        self._stop_decoding(seq)
         remaining = max(1, math.ceil(seq.finish_step - self.steps - EPS))
         seq.generated = seq.request.output_tokens - remaining
         seq.own_blocks = 0
+        self._fit_cache()
         self._release_adapter(seq.request.adapter)
         seq.request.preempted += 1
         self.preemptions += 1
-        self._wait(seq)
+        self._wait(seq, front=front and self.model.scheduling != "priority")
+
+    def _relieve(self) -> None:
+        """Preempt decoding sequences while they need more blocks than there are: the latest admitted
+        first (fcfs), or the lowest priority and latest arrival (priority)."""
+        while self.running and len(self.running) + len(self.prefilling) > 1 and self.free_blocks < 0:
+            by_priority = self.model.scheduling == "priority"
+            victim = max(
+                (entry[2] for entry in self.running),
+                key=lambda s: (s.request.band if by_priority else 0, s.grow_from, s.request.arrival),
+            )
+            self._preempt(victim, front=True)
 
     def process(self, now: float) -> list[Request]:
         """Finish what is due at `now`; returns requests that completed."""
@@ -415,11 +485,14 @@ class Replica:
                 continue
             seq.finish_step = first + left - 1
             heapq.heappush(self.running, (seq.finish_step, seq.request.rid, seq))
-            self.running_blocks += seq.own_blocks
+            self._start_decoding(seq)
         while self.running and self.running[0][0] <= self.steps + EPS:
             _, _, seq = heapq.heappop(self.running)
-            self.running_blocks -= seq.own_blocks
+            self._stop_decoding(seq)
+            seq.own_blocks = 0
             finished.append(self._finish(seq, now))
+        self._relieve()
+        self._fit_cache()
         if finished:
             self.admit()
         return finished
@@ -427,8 +500,9 @@ class Replica:
     def _finish(self, seq: Seq, now: float) -> Request:
         seq.request.done = now
         self._release_adapter(seq.request.adapter)
-        self.own_used -= seq.own_blocks
-        self.cache.capacity = max(1, self.model.kv_blocks - self.own_used)
+        self.own_used -= seq.own_blocks  # a prompt finished without decoding; a decoding one has none
+        seq.own_blocks = 0
+        self._fit_cache()
         self.completed += 1
         self.completions.record(now)
         return seq.request

@@ -2,8 +2,11 @@
 
 Discrete events on one heap. A replica posts its next event (a prompt done, a sequence done) whenever its
 state changes; a stale one is recognised by the replica's version and skipped. Heartbeats go out for every
-live replica each `heartbeat_s`. Routers read views of the replicas (views.py): the replicas themselves
-(`exact`) or their last heartbeat plus the router's own placements since (`heartbeat`). A request a
+live replica each `heartbeat_s` (or as often as the router refreshes, `refresh_s`). Routers read views of
+the replicas (views.py): the replicas themselves (`exact`) or their last report plus the router's own
+placements since (`heartbeat`). A router that counts its own requests in flight (`finished`) is told of
+each request that ends, as a gateway sees a response end. A scaler's target is applied at once: a lower
+one drains that many replicas, those with the fewest requests first. A request a
 router holds waits in the hold, interactive ahead of batch and in arrival order within each (a router with
 `fair_hold`, sluice's, orders it as the dispatcher's hold does: `dispatcher.hold.FairQueue`, teams by
 tokens served within a band), and the hold is retried (at most `max_misses` failures in a row) after
@@ -42,6 +45,9 @@ class FleetState:
     completed_recent: dict[int, float]  # completions per second over the last 10 s, per ready replica
     prefill_tokens: int = 0  # prompt tokens not yet prefilled: held, waiting and in prefill
     ttft_mean: float = math.nan  # mean time to first token of the requests finished since the last tick
+    held: int = 0  # requests in the hold: read from Kafka and not yet placed (the consumer group's lag)
+    isl_mean: float = math.nan  # mean prompt tokens of the requests finished since the last tick
+    osl_mean: float = math.nan  # mean output tokens of the same
 
 
 class SimHold:
@@ -147,7 +153,8 @@ class Fleet:
         self.sink = sink
         self.mode = views
         self.model = model
-        self.heartbeat_s = heartbeat_s
+        refresh_s = getattr(router, "refresh_s", None) if views == "heartbeat" else None
+        self.heartbeat_s = refresh_s or heartbeat_s  # a router that scrapes more often refreshes so
         self.scaler = scaler
         self.startup_s = startup_s
         self.max_misses = max_misses
@@ -168,6 +175,7 @@ class Fleet:
         self.hold_peak = 0
         self._completions: dict[int, CompletionRate] = {}  # what the scaler reads, by replica
         self._ttft_sum, self._ttft_count = 0.0, 0
+        self._isl_sum, self._osl_sum = 0.0, 0.0
 
     # heap
     def _push(self, t: float, kind: int, arg: int = 0) -> None:
@@ -208,9 +216,14 @@ class Fleet:
                 if replica is None or replica.version % 1_000_000 != arg % 1_000_000:
                     continue
                 finished = replica.process(t)
+                ended = getattr(self.router, "finished", None)
                 for request in finished:
+                    if ended is not None:
+                        ended(request, t)
                     self.stats.add(request)
                     self._ttft_sum += request.first_token - request.arrival
+                    self._isl_sum += request.prompt_tokens
+                    self._osl_sum += request.output_tokens
                     self._ttft_count += 1
                     if self.sink is not None:
                         self.sink.append(request)
@@ -235,7 +248,9 @@ class Fleet:
                 if pending is not None or self._busy():
                     self._push(t + self.scaler.interval_s, SCALE)
             elif kind == READY:
-                launched = self._launched.pop(arg, t - self.startup_s)
+                if arg not in self._launched:
+                    continue  # cancelled while it started
+                launched = self._launched.pop(arg)
                 replica = Replica(arg, self.model, ready_at=t, launched_at=launched, now=t)
                 self.starting -= 1
                 self.live.append(replica)
@@ -272,7 +287,7 @@ class Fleet:
         if view is None:
             return False
         if isinstance(view, Snapshot):
-            view.placed(request, record=getattr(self.router, "records_placements", False))
+            view.placed(request)
         replica = self._by_index[view.index]
         replica.place(request, t)
         self._post(replica)
@@ -287,9 +302,12 @@ class Fleet:
         held = len(self.hold)
         backlog = held + sum(r.queue for r in ready)
         prefill = sum(r.prompt_tokens for r in self.hold.requests()) + sum(r.prefill_tokens() for r in ready)
-        ttft = self._ttft_sum / self._ttft_count if self._ttft_count else math.nan
-        self._ttft_sum, self._ttft_count = 0.0, 0
-        state = FleetState(t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft)
+        n = self._ttft_count
+        ttft, isl, osl = (self._ttft_sum / n, self._isl_sum / n, self._osl_sum / n) if n else (math.nan,) * 3
+        self._ttft_sum, self._isl_sum, self._osl_sum, self._ttft_count = 0.0, 0.0, 0.0, 0
+        state = FleetState(
+            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, isl, osl
+        )
         target = self.scaler.target(state)
         current = len(ready) + self.starting
         for _ in range(max(0, target - current)):
@@ -297,8 +315,14 @@ class Fleet:
             index = next(self._ids)
             self._launched[index] = t
             self._push(t + self.startup_s, READY, index)
-        if target < current and ready:
-            victim = min(ready, key=lambda r: r.in_system)
+        # As a ReplicaSet scales down: pods still starting go first (the latest launched), then the
+        # ready ones with the fewest requests.
+        surplus = max(0, current - target)
+        for index in sorted(self._launched, key=self._launched.__getitem__, reverse=True)[:surplus]:
+            del self._launched[index]  # its READY event finds it gone
+            self.starting -= 1
+            surplus -= 1
+        for victim in sorted(ready, key=lambda r: r.in_system)[:surplus]:
             victim.draining = True
             if victim.in_system == 0:
                 self._retire(victim, by_index)

@@ -8,7 +8,11 @@ Every router in the simulator gets the same kind of view, so none sees more than
   replays the replica's inserts at each report, so it is exactly the cache of that moment.
 
 Both kinds answer the same questions (`ReplicaView`): the figures vLLM exports (waiting, running, KV
-usage) and what a gateway can count itself (requests in the system, prefill tokens it routed).
+usage) and what a gateway can count itself (requests in the system, prefill tokens it routed). A router
+refreshes its views as often as its design does: sluice at each heartbeat, llm-d's endpoint picker at
+each metrics scrape (`refresh_s`, 50 ms). Whatever the views, a prefix index fed by the engines' KV
+events (sluice's, llm-d's precise one, Dynamo's) is current to the millisecond: `indexed` reads the
+replica's cache as it is.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class ReplicaView(Protocol):
     def decode_blocks(self) -> int: ...
 
     def matched(self, blocks: tuple[str, ...]) -> int: ...
+
+    def indexed(self, blocks: tuple[str, ...]) -> int:
+        """The prefix match by an index fed by the replica's KV events (current, whatever the view)."""
+        ...
 
     def held_adapters(self) -> frozenset[int]: ...
 
@@ -121,17 +129,18 @@ class Snapshot:
                 r.waiting_adapters(),
             )
 
-    def placed(self, request: Request, record: bool = False) -> None:
-        """Count a placement this router made since the report, as a gateway counts its own; `record`
-        also puts the prompt in the view's cache (a router whose prefix index is its own routing)."""
+    def placed(self, request: Request) -> None:
+        """Count a placement this router made since the report, as a gateway counts its own: one more
+        request waiting, its uncached prompt to prefill and its blocks (an engine allocates a prompt's
+        blocks when it admits it, its output's as it generates), its adapter among the waiting ones."""
         m = self.model
-        uncached = max(1, request.prompt_tokens - self.matched(request.blocks) * m.block_size)
-        if record:
-            self.published.insert(request.blocks)
+        uncached = max(1, request.prompt_tokens - self.indexed(request.blocks) * m.block_size)
         self.in_system += 1
         self.queue += 1
         self._prefill_tokens += uncached
-        self.free_blocks -= math.ceil((uncached + (request.max_tokens or 0)) / m.block_size)
+        self.free_blocks -= math.ceil(uncached / m.block_size)
+        if request.adapter >= 0:
+            self._waiting = self._waiting | {request.adapter}
 
     def prefill_tokens(self) -> int:
         return self._prefill_tokens
@@ -144,6 +153,9 @@ class Snapshot:
 
     def matched(self, blocks: tuple[str, ...]) -> int:
         return leading_cached(self.published, blocks)
+
+    def indexed(self, blocks: tuple[str, ...]) -> int:
+        return self.replica.matched(blocks)
 
     def held_adapters(self) -> frozenset[int]:
         return self._held

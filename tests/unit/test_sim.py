@@ -7,14 +7,29 @@ import functools
 import math
 import random
 
+import numpy as np
 import pytest
 
 from bench.sim.disagg import SplitFleet, SplitResult, SplitRun, spread
 from bench.sim.engine import Replica, Request, Seq, TimingModel, leading_cached
-from bench.sim.fleet import FleetState, simulate
+from bench.sim.fleet import Fleet, FleetState, simulate
 from bench.sim.metrics import Sketch, Stats, percentile, summarize, violation_minutes
-from bench.sim.routers import ROUTERS, DynamoRouter, LlmdRouter, SglangRouter, make_router
-from bench.sim.scalers import DynamoPlannerScaler, KedaScaler, LlmdTokenScaler, ReactiveScaler
+from bench.sim.routers import (
+    ROUTERS,
+    DynamoRouter,
+    LlmdPredictedLatencyRouter,
+    LlmdRouter,
+    SglangRouter,
+    make_router,
+)
+from bench.sim.scalers import (
+    ArimaPredictor,
+    DynamoPlannerScaler,
+    KedaScaler,
+    LlmdWvaScaler,
+    ReactiveScaler,
+    wva_decision,
+)
 from bench.sim.views import Snapshot
 from bench.sim.workloads import blocks_of, shared_prefix
 from gpu_workers.prefix_cache import PrefixCache
@@ -87,18 +102,21 @@ def test_a_prompt_arriving_during_a_step_joins_the_next_one() -> None:
     assert late.first_token == pytest.approx(boundary + 2 * step, rel=0.05)
 
 
-def test_requests_wait_for_kv_blocks() -> None:
+def test_requests_wait_for_their_prompts_blocks_and_the_latest_decoder_is_preempted_when_kv_is_full() -> None:
     small = TimingModel(kv_blocks=200, chunk_tokens=4096)
     replica = Replica(0, small)
-    big = [request(i, f"p{i}", 100, 50) for i in range(3)]  # 104 blocks each with their output
+    big = [request(i, f"p{i}", 100, 50) for i in range(3)]  # 100 prompt blocks each; 4 more to decode
     for r in big:
         replica.place(r, 0.0)
-    assert len(replica.prefilling) == 1
-    assert len(replica.waiting) == 2
-    while replica.in_system:
-        replica.process(replica.next_event())
+    assert len(replica.prefilling) == 2, "admitted on their prompts' blocks, not their outputs'"
+    assert len(replica.waiting) == 1
+    assert replica.free_blocks == 0
+    drain(replica)
     assert all(r.done > 0 for r in big)
-    assert big[0].done <= big[1].first_token
+    # The first token of each needs a block that is not there: the later one goes back to wait.
+    assert (big[0].preempted, big[1].preempted) == (0, 1)
+    assert big[0].done <= big[2].first_token
+    assert replica.free_blocks == 200
 
 
 def batch(r: Request) -> Request:
@@ -128,33 +146,72 @@ def test_under_priority_an_interactive_prompt_is_prefilled_before_batch_prompts_
 
 
 def test_an_interactive_request_short_of_blocks_preempts_the_latest_decoding_batch_request() -> None:
-    model = TimingModel(kv_blocks=300, chunk_tokens=4096, scheduling="priority")
+    model = TimingModel(kv_blocks=60, chunk_tokens=4096, scheduling="priority")
     replica = Replica(0, model)
-    old, new = batch(request(1, "o", 20, 1600)), batch(request(2, "n", 20, 1600, at=0.001))  # 120 blocks
+    old, new = batch(request(1, "o", 20, 1600)), batch(request(2, "n", 20, 1600, at=0.001))
     replica.place(old, old.arrival)
     replica.place(new, new.arrival)
     while math.isnan(new.first_token):
         replica.process(replica.next_event())
-    replica.advance(1.0)  # both decoding
-    urgent = request(3, "i", 20, 1600, at=1.0)  # 120 blocks: only 60 free
+    replica.advance(1.0)  # both decoding, each with about 5 blocks of output
+    held = replica.used_blocks()
+    assert 45 <= held < 60
+    urgent = request(3, "i", 20, 1600, at=1.0)  # 20 blocks of prompt: fewer are free
     replica.place(urgent, 1.0)
     assert (old.preempted, new.preempted, replica.preemptions) == (0, 1, 1)
-    assert replica.free_blocks == 300 - 240
+    assert len(replica.prefilling) == 1
     drain(replica)
     assert new.done > urgent.done  # it waited for blocks, then computed its prompt and output again
-    assert replica.free_blocks == 300
+    assert replica.free_blocks == 60
     assert not replica.waiting
     assert replica.completed == 3
 
 
-def test_fcfs_never_preempts() -> None:
+def test_fcfs_never_preempts_for_an_admission() -> None:
     replica = Replica(0, TimingModel(kv_blocks=300, chunk_tokens=4096))
-    first = batch(request(1, "o", 20, 1600))
+    first = batch(request(1, "o", 20, 320))
     replica.place(first, 0.0)
-    replica.place(request(2, "i", 20, 3200, at=0.5), 0.5)
-    replica.place(request(3, "j", 20, 1600, at=0.6), 0.6)
+    replica.advance(1.0)
+    urgent = request(2, "i", 300, 2, at=1.0)  # more blocks than are free: it waits
+    replica.place(urgent, 1.0)
+    assert replica.preemptions == 0
+    assert len(replica.waiting) == 1
     drain(replica)
     assert replica.preemptions == 0
+    assert first.done <= urgent.first_token
+
+
+def test_kv_usage_never_depends_on_the_hidden_output_lengths_of_running_requests() -> None:
+    """Two replicas given the same prompts, whose outputs differ only in their (hidden) lengths, report
+    the same figures until the first request ends."""
+    model = TimingModel(kv_blocks=400, chunk_tokens=2048)
+    short = Replica(0, model)
+    long = Replica(1, model)
+    arrivals = [(0.01 * i, f"t{i % 3}", 10 + 7 * i) for i in range(12)]
+    shorts = [request(i, p, n, 300 + 40 * i, at=t) for i, (t, p, n) in enumerate(arrivals)]
+    longs = [request(i, p, n, 3000 + 400 * i, at=t) for i, (t, p, n) in enumerate(arrivals)]
+    for a, b in zip(shorts, longs, strict=True):
+        short.place(a, a.arrival)
+        long.place(b, b.arrival)
+
+    def figures(r: Replica) -> tuple[float, ...]:
+        return (r.free_blocks, r.queue, r.scheduled, r.in_system, r.prefill_tokens(), r.decode_blocks())
+
+    first_end = 0.01 * 11 + 300 * model.decode_base_s  # before this, no short request can have ended
+    compared = 0
+    now = 0.11
+    free_at_start = math.inf
+    while now < first_end:
+        for r in (short, long):
+            while r.next_event() <= now:
+                assert not r.process(r.next_event()), "a request ended before the comparison stops"
+            r.advance(now)
+        assert figures(short) == figures(long), now
+        free_at_start = min(free_at_start, short.free_blocks) if compared < 5 else free_at_start
+        compared += 1
+        now += 0.05
+    assert compared > 50
+    assert short.free_blocks < free_at_start - 100, "the decoding sequences took blocks as they generated"
 
 
 def adapted(r: Request, adapter: int) -> Request:
@@ -215,17 +272,40 @@ def fleet_state(**kw: object) -> FleetState:
 
 def test_keda_asks_for_lag_over_threshold_and_holds_its_scale_down_for_the_window() -> None:
     keda = KedaScaler(1, 20, lag_threshold=10)
-    assert keda.target(fleet_state(backlog=95, starting=10)) == 10
+    assert keda.target(fleet_state(held=95, backlog=95, starting=10)) == 10
     assert keda.target(fleet_state(now=30.0, starting=10)) == 10  # stabilised
     assert keda.target(fleet_state(now=400.0, starting=10)) == 1
-    assert KedaScaler(1, 20, lag_threshold=50).target(fleet_state(backlog=95, starting=2)) == 2
+    assert KedaScaler(1, 20, lag_threshold=50).target(fleet_state(held=95, backlog=95, starting=2)) == 2
+
+
+def test_keda_reads_the_consumer_groups_lag_not_requests_waiting_inside_engines() -> None:
+    keda = KedaScaler(1, 20, lag_threshold=10)
+    assert keda.target(fleet_state(held=0, backlog=95, starting=1)) == 1
+
+
+class FixedTarget:
+    name = "fixed"
+    interval_s = 15.0
+
+    def __init__(self, target: int) -> None:
+        self.wanted = target
+
+    def target(self, state: FleetState) -> int:
+        return self.wanted
+
+
+def test_a_lower_target_drains_that_many_replicas_at_once() -> None:
+    fleet = Fleet(make_router("round-robin", 1), MODEL, 6, scaler=FixedTarget(2))
+    fleet.run(iter(()), until=1.0)
+    assert len(fleet.live) == 2
+    assert fleet.timeline[0][1] == 2
 
 
 def test_the_hpa_adds_at_most_four_pods_or_doubles_per_period() -> None:
     keda = KedaScaler(1, 100, lag_threshold=10)
-    assert keda.target(fleet_state(backlog=1000, starting=1)) == 5  # max(1 + 4, 2 x 1)
-    assert keda.target(fleet_state(now=5.0, backlog=1000, starting=5)) == 5  # same period
-    assert keda.target(fleet_state(now=20.0, backlog=1000, starting=5)) == 10  # next: 2 x 5
+    assert keda.target(fleet_state(held=1000, starting=1)) == 5  # max(1 + 4, 2 x 1)
+    assert keda.target(fleet_state(now=5.0, held=1000, starting=5)) == 5  # same period
+    assert keda.target(fleet_state(now=20.0, held=1000, starting=5)) == 10  # next: 2 x 5
 
 
 def test_reactive_scales_with_requests_in_the_system() -> None:
@@ -234,18 +314,49 @@ def test_reactive_scales_with_requests_in_the_system() -> None:
     assert rule.target(fleet_state(backlog=30, ready=replicas)) == 6  # 30 in the system / (10 x 0.5)
 
 
-def test_dynamo_planner_divides_the_corrected_rate_by_the_profiled_capacity() -> None:
+def test_dynamo_planner_divides_the_predicted_rate_by_the_profile_and_corrects_only_down() -> None:
     planner = DynamoPlannerScaler(1, 20, capacity=9.0, expected_ttft_s=0.1, interval_s=180.0)
     assert planner.target(fleet_state(starting=3)) == 3  # nothing observed yet: keeps what it has
-    assert planner.target(fleet_state(now=180.0, arrived=180 * 20, starting=3)) == 3  # 20 req/s / 9
-    assert planner.target(fleet_state(now=360.0, arrived=180 * 21, starting=3)) == 1  # 1 req/s
-    # TTFT at twice the profile's: the corrected load is 2 x 20 req/s.
-    assert planner.target(fleet_state(now=540.0, arrived=180 * 41, starting=3, ttft_mean=0.2)) == 5
+    # Fewer than 5 intervals: the predictor gives the last rate. 20 req/s over 9 per replica.
+    assert planner.target(fleet_state(now=180.0, arrived=180 * 20, starting=3)) == 3
+    # TTFT at twice the profile's: min(1, 2) leaves the count as it is.
+    assert planner.target(fleet_state(now=360.0, arrived=180 * 40, starting=3, ttft_mean=0.2)) == 3
+    # TTFT at half the profile's (cache hits the profile did not know): half the replicas.
+    assert planner.target(fleet_state(now=540.0, arrived=180 * 60, starting=3, ttft_mean=0.05)) == 2
+    uncorrected = DynamoPlannerScaler(1, 20, capacity=9.0, expected_ttft_s=0.1, correction=False)
+    uncorrected.target(fleet_state())
+    assert uncorrected.target(fleet_state(now=180.0, arrived=180 * 20, ttft_mean=0.05)) == 3
 
 
-def test_llmd_token_rule_keeps_the_backlog_within_the_ttft_slo() -> None:
-    rule = LlmdTokenScaler(1, 20, prefill_tokens_per_s=12_500, ttft_slo_s=2.0)
-    assert rule.target(fleet_state(prefill_tokens=100_000, starting=1)) == 4  # 8 s of prefill / 2 s
+def test_the_arima_predictor_follows_dynamos_edge_cases_and_a_trend() -> None:
+    p = ArimaPredictor()
+    assert p.predict() == 0.0
+    for v in (0.0, 0.0, 3.0, 4.0):  # leading zeros are skipped
+        p.add(v)
+    assert list(p.values) == [3.0, 4.0]
+    assert p.predict() == 4.0  # fewer than 5: the last value
+    flat = ArimaPredictor()
+    for _ in range(8):
+        flat.add(7.0)
+    assert flat.predict() == 7.0
+    ramp = ArimaPredictor()
+    for v in range(1, 21):
+        ramp.add(float(v) + (0.3 if v % 2 else -0.3))
+    assert 20.0 < ramp.predict() < 22.5  # it continues the rise rather than repeating the last value
+
+
+def test_llmd_wva_adds_one_replica_when_spare_capacity_is_short_and_removes_one_when_it_can() -> None:
+    # (KV usage, waiting): spare KV 0.8 - KV and spare queue 5 - waiting over the unsaturated replicas.
+    assert wva_decision(2, 0, [(0.75, 0.0), (0.75, 0.0)]) == 3  # spare KV 0.05 < 0.1
+    assert wva_decision(2, 0, [(0.2, 3.0), (0.2, 3.0)]) == 3  # spare queue 2 < 3
+    assert wva_decision(2, 1, [(0.75, 0.0), (0.75, 0.0)]) == 2  # one is still starting: wait for it
+    assert wva_decision(3, 0, [(0.1, 0.0), (0.1, 0.0), (0.1, 0.0)]) == 2  # load fits on one fewer
+    assert wva_decision(2, 0, [(0.4, 0.0), (0.4, 0.0)]) == 2  # one replica would be at 0.8: keep both
+    assert wva_decision(2, 0, [(0.9, 0.0), (0.85, 6.0)]) == 3  # all saturated
+    scaler = LlmdWvaScaler(1, 10, every_s=60.0)
+    idle = [Replica(i, MODEL) for i in range(3)]
+    assert scaler.target(fleet_state(now=0.0, ready=idle)) == 2
+    assert scaler.target(fleet_state(now=30.0, ready=idle)) == 3  # between decisions: as it is
 
 
 def loaded(index: int, waiting: int, model: TimingModel = MODEL) -> Replica:
@@ -257,38 +368,146 @@ def loaded(index: int, waiting: int, model: TimingModel = MODEL) -> Replica:
     return replica
 
 
-def test_llmd_holds_when_no_endpoint_has_capacity_and_does_not_spread() -> None:
-    router = LlmdRouter(random.Random(1))
+def test_llmd_as_deployed_never_holds_and_with_flow_control_holds_when_every_endpoint_is_saturated() -> None:
     saturated = [loaded(i, 6) for i in range(3)]
     assert all(r.queue >= 5 for r in saturated)
-    assert router.route(request(1, "a", 10, 5), saturated, 0.0) is None
+    assert LlmdRouter(random.Random(1)).route(request(1, "a", 10, 5), saturated, 0.0) is not None
+    gated = LlmdRouter(random.Random(1), flow_control=True)
+    assert gated.route(request(1, "a", 10, 5), saturated, 0.0) is None
     # One endpoint has room: the scorers choose among all endpoints, and the prefix wins over the queue.
     warm = loaded(3, 6)
     warm.cache.insert(blocks_of("a", 0, 10))
     idle = Replica(4, MODEL)
-    chosen = router.route(request(2, "a", 10, 5), [*saturated, warm, idle], 0.0)
-    assert chosen is warm
-    assert LlmdRouter(random.Random(1), flow_control=False).route(request(3, "a", 10, 5), saturated, 0.0)
+    assert gated.route(request(2, "a", 10, 5), [*saturated, warm, idle], 0.0) is warm
 
 
-def test_sglang_falls_back_to_the_smallest_tree_not_the_least_loaded() -> None:
+def test_llmd_scrapes_its_endpoints_every_50_ms() -> None:
+    router = LlmdRouter(random.Random(1))
+    fleet = Fleet(router, MODEL, 2, heartbeat_s=0.5)
+    assert fleet.heartbeat_s == 0.05
+    assert Fleet(make_router("sluice", 1), MODEL, 2, heartbeat_s=0.5).heartbeat_s == 0.5
+
+
+def test_sglang_routes_a_miss_to_its_least_loaded_worker_and_a_hit_by_its_own_routing_history() -> None:
     router = SglangRouter(random.Random(1))
-    big_idle, small_busy = Replica(0, MODEL), loaded(1, 3)
-    big_idle.cache.insert(blocks_of("other", 0, 600))
-    assert big_idle.in_system < small_busy.in_system
-    assert big_idle.cache_size > small_busy.cache_size
-    assert router.route(request(1, "new", 10, 5), [big_idle, small_busy], 0.0) is small_busy
-    # Above the match threshold it follows the match.
-    assert router.route(request(2, "other", 10, 5), [big_idle, small_busy], 0.0) is big_idle
+    a, b = Replica(0, MODEL), Replica(1, MODEL)
+    b.cache.insert(blocks_of("other", 0, 600))  # an engine's cache is not the router's tree
+    first = router.route(request(1, "x", 10, 5), [a, b], 0.0)
+    assert first in (a, b)
+    # The next miss goes to the other worker: the one with fewer requests in flight.
+    second = router.route(request(2, "y", 10, 5), [a, b], 0.0)
+    assert second is not first
+    # A repeat of x's prompt matches the tree of the worker it was routed to (ratio 1 > 0.3).
+    assert router.route(request(3, "x", 10, 5), [a, b], 0.0) is first
+    # "other" is in b's engine cache but in no tree: a miss, to the least loaded.
+    router.finished(_ended(request(3, "x", 10, 5), first), 1.0)
+    assert router.load.count[first.index] == 1
+    assert router.route(request(4, "other", 10, 5), [a, b], 1.0) is first
+
+
+def test_sglang_balances_only_past_both_of_its_launcher_thresholds() -> None:
+    router = SglangRouter(random.Random(1))
+    a, b = Replica(0, MODEL), Replica(1, MODEL)
+    for rid in range(3):  # every request shares one prompt: the tree keeps them on one worker
+        router.route(request(rid, "same", 10, 5), [a, b], 0.0)
+    sticky = max((a, b), key=lambda r: router.load.count[r.index])
+    router.load.count[sticky.index] = 64  # 64 - 0 is not over balance_abs_threshold 64
+    assert router.route(request(10, "same", 10, 5), [a, b], 0.0) is sticky
+    # 65 - 0 > 64 and 65 > 1.5 x 0: imbalanced, to the least loaded.
+    assert router.route(request(11, "same", 10, 5), [a, b], 0.0) is not sticky
+
+
+def _ended(r: Request, replica: Replica) -> Request:
+    r.replica = replica.index
+    return r
+
+
+def test_dynamo_counts_a_tenants_shared_blocks_once_and_never_an_output() -> None:
+    router = DynamoRouter(random.Random(1))
+    a, b = Replica(0, MODEL), Replica(1, MODEL)
+    tenant = blocks_of("tenant", 0, 50)
+    for rid in range(4):  # the same tenant's requests: 50 shared blocks and 2 of their own each
+        r = Request(rid, 0.0, tenant + blocks_of(f"q{rid}", 0, 2), 52 * 16, 10_000, max_tokens=10_000)
+        assert router.route(r, [a], 0.0) is a
+    assert len(router.active[0]) == 50 + 4 * 2  # unique active prompt blocks; no output blocks
+    assert router.new_blocks(0, tenant + blocks_of("q9", 0, 2)) == 2
+    # b is idle, a has four prompts in prefill. The tenant's next request still costs a less in decode
+    # blocks (2 new against 52), and b less in prefill (52 blocks against 4 x 52 + 52): b wins on
+    # prefill while a's prompts have not produced their first token.
+    nxt = Request(9, 0.0, tenant + blocks_of("q9", 0, 2), 52 * 16, 5)
+    assert router.route(nxt, [a, b], 0.0) is b
+    # Once they have their first tokens (prefill dropped whole), compare a with c, which serves four
+    # requests of other tenants: a costs 52 + (58 + 2) blocks, c 52 + (4 x 52 + 52).
+    router2 = DynamoRouter(random.Random(1))
+    c = Replica(2, MODEL)
+    for rid in range(4):
+        mine = Request(rid, 0.0, tenant + blocks_of(f"q{rid}", 0, 2), 52 * 16, 5)
+        theirs = Request(10 + rid, 0.0, blocks_of(f"other{rid}", 0, 52), 52 * 16, 5)
+        assert router2.route(mine, [a], 0.0) is a
+        assert router2.route(theirs, [c], 0.0) is c
+        mine.first_token = theirs.first_token = 0.5
+    assert router2.prefill_tokens(0, 1.0) == router2.prefill_tokens(2, 1.0) == 0
+    assert router2.route(Request(9, 1.0, tenant + blocks_of("q9", 0, 2), 52 * 16, 5), [a, c], 1.0) is a
 
 
 def test_dynamo_queues_only_while_every_worker_is_busy() -> None:
     router = DynamoRouter(random.Random(1), queue_threshold=0.5)  # busy above 500 prefill tokens
-    busy = [loaded(i, 0) for i in range(2)]  # 6,400 tokens in prefill each
-    assert all(r.prefill_tokens() > 500 for r in busy)
-    assert router.route(request(1, "a", 10, 5), busy, 0.0) is None
-    assert router.route(request(1, "a", 10, 5), [*busy, Replica(2, MODEL)], 0.0) is not None
-    assert DynamoRouter(random.Random(1), queue_threshold=None).route(request(1, "a", 10, 5), busy, 0.0)
+    a, b = Replica(0, MODEL), Replica(1, MODEL)
+    for rid, replica in ((1, a), (2, b)):
+        assert router.route(request(rid, f"p{rid}", 40, 5), [replica], 0.0) is replica  # 640 tokens
+    assert router.route(request(3, "c", 10, 5), [a, b], 0.0) is None
+    assert router.route(request(3, "c", 10, 5), [a, b, Replica(2, MODEL)], 0.0) is not None
+    assert DynamoRouter(random.Random(1)).queue_threshold is None  # the 1.6.1 frontend: no queue
+
+
+def test_llmd_predicted_latency_keeps_a_cached_tenant_where_it_has_headroom_and_else_goes_idle() -> None:
+    router = LlmdPredictedLatencyRouter(random.Random(1), explore=0.0)
+    # A model that has learned: TTFT grows with the waiting queue; TPOT is always within its SLO.
+    router.ttft.coef = np.array([0.05, 0, 0, 0.5, 0, 0, 0, 0])
+    router.tpot.coef = np.array([0.02, 0, 0, 0, 0])
+    warm, cold, busy = loaded(0, 1), Replica(1, MODEL), loaded(2, 6)
+    warm.cache.insert(blocks_of("a", 0, 10))
+    # warm (prefix 1.0 >= 0.99) is gated in, and has headroom: 0.05 + 0.5 x 1 < 2 s.
+    assert router.route(request(1, "a", 10, 5), [cold, warm, busy], 0.0) is warm
+    # A pod matching 0.9 of the prompt (under the global gate's 0.99, over the tier gate's 0.80) with a
+    # queue of 6 is predicted at 3.05 s: no headroom. The valid tier is the cold pod alone.
+    partial = loaded(3, 6)
+    partial.cache.insert(blocks_of("b", 0, 9))
+    assert router.route(request(2, "b", 10, 5), [partial, cold], 0.0) is cold
+    # With no valid pod at all (every TTFT predicted at 3 s or more), the gate still keeps a pod matching
+    # 0.80 or more; among pods the gate lets through alike, an idle one is preferred.
+    router.ttft.coef = np.array([3.0, 0, 0, 0.5, 0, 0, 0, 0])
+    idle = Replica(5, MODEL)
+    assert {router.route(request(3 + n, "b", 10, 5), [partial, busy, idle], 0.0) for n in range(10)} == {
+        partial
+    }
+    assert {router.route(request(20 + n, "c", 10, 5), [partial, busy, idle], 0.0) for n in range(10)} == {
+        idle
+    }
+
+
+def test_the_predicted_latency_model_learns_from_completions() -> None:
+    router = LlmdPredictedLatencyRouter(random.Random(1))
+    replicas = [Replica(i, MODEL) for i in range(2)]
+    for rid in range(150):
+        r = request(rid, f"p{rid}", 5 + rid % 20, 5)
+        view = router.route(r, replicas, float(rid))
+        assert view is not None
+        r.replica, r.first_token, r.done = view.index, rid + 0.1 + 0.001 * r.prompt_tokens, rid + 1.0
+        router.finished(r, rid + 1.0)
+    assert router.ttft.trained
+    features = np.array([1.0, 0, 320.0, 0, 0, 0, 320.0, 0])
+    assert router.ttft.predict(features) == pytest.approx(0.1 + 0.32, abs=0.02)
+
+
+def test_llmd_lora_lists_include_its_own_placements_since_the_scrape() -> None:
+    replica = Replica(0, TimingModel(max_loras=2))
+    view = Snapshot.of(replica)
+    r = request(1, "a", 4, 2)
+    r.adapter = 3
+    assert 3 not in view.waiting_adapters()
+    view.placed(r)
+    assert 3 in view.waiting_adapters()
 
 
 class Sealed(Request):
@@ -320,11 +539,12 @@ def test_a_heartbeat_view_shows_the_cache_as_reported_plus_the_routers_own_place
     assert view.matched(blocks_of("a", 0, 20)) == 0  # not reported yet
     view.refresh()
     assert view.matched(blocks_of("a", 0, 20)) == 20
-    before = view.queue
-    view.placed(request(2, "b", 20, 2), record=True)
+    before, free = view.queue, view.free_blocks
+    view.placed(request(2, "b", 20, 2))
     assert view.queue == before + 1
-    assert view.matched(blocks_of("b", 0, 20)) == 20
-    assert replica.matched(blocks_of("b", 0, 20)) == 0
+    assert view.free_blocks == free - 20  # its prompt's blocks; its output's come as it is generated
+    assert view.matched(blocks_of("b", 0, 20)) == 0  # the cache as reported: placing does not fill it
+    assert view.indexed(blocks_of("a", 0, 20)) == 20  # the KV-event index reads the replica's own
 
 
 def test_the_sketch_answers_quantiles_within_its_accuracy() -> None:
