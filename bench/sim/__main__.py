@@ -33,7 +33,7 @@ from typing import Any
 from bench.sim.engine import TimingModel
 from bench.sim.fleet import Outcome, Scaler, simulate
 from bench.sim.metrics import Summary, summarize, violation_minutes
-from bench.sim.routers import LORA_ROUTERS, ROUTERS, make_router
+from bench.sim.routers import LORA_ROUTERS, ROUTERS, TUNABLE, make_router
 from bench.sim.scalers import (
     DynamoPlannerScaler,
     KedaScaler,
@@ -474,7 +474,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1, help="for `scale`")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--jobs", type=int, default=2, help="processes to run the runs in")
-    parser.add_argument("--routers", nargs="+", choices=ROUTERS + LORA_ROUTERS, default=list(ROUTERS))
+    names = sorted({*ROUTERS, *LORA_ROUTERS, *(f"{family}-tuned" for family in TUNABLE)})
+    parser.add_argument("--routers", nargs="+", choices=names, default=list(ROUTERS))
     parser.add_argument("--views", nargs="+", choices=["exact", "heartbeat"], default=["heartbeat", "exact"])
     parser.add_argument("--heartbeat-s", type=float, default=0.5, help="age bound of heartbeat views")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic per run")
