@@ -167,7 +167,7 @@ def placement(args: argparse.Namespace) -> None:
                 title = f"{w.description}; 8 replicas, {w.duration_s:.0f} s; {views} views"
                 by_rate.setdefault(views, {})[rate] = run_table(title, runs, pool)
     if args.plots:
-        plot_placement(by_rate, args.plots / "sim_placement.png")
+        plot_placement(by_rate, args.plots / f"sim_placement_{'_'.join(args.views)}.png")
 
 
 def workloads(args: argparse.Namespace) -> None:

@@ -121,6 +121,7 @@ class Seq:
     generated: int = 0  # output tokens it had when it was preempted (it computes them again)
     decoding: bool = False
     grow_from: float = 0.0  # the step count at which it began decoding: it has generated steps - this
+    admitted: int = 0  # the replica's admission count when it was admitted (the latest is preempted first)
 
 
 @dataclass(eq=False)
@@ -153,6 +154,8 @@ class Replica:
     _unscheduled: tuple[int, int] = (-1, 0)  # (version, prompts beyond this step's prefill budget)
     cache: PrefixCache = field(init=False)
     cache_log: list[tuple[int, tuple[str, ...]]] | None = None  # inserts since the last heartbeat
+    started: list[Request] = field(default_factory=list)  # first tokens since the fleet last read them
+    _admissions: int = 0
 
     def __post_init__(self) -> None:
         self.cache = PrefixCache(self.model.kv_blocks)
@@ -298,6 +301,7 @@ class Replica:
             if not self._adapter_fits(r.adapter):
                 at += 1
                 continue
+            self._fit_cache()  # what decoding took since is no longer cache
             matched = (
                 len(r.blocks) if r.loaded and not seq.generated else leading_cached(self.cache, r.blocks)
             )
@@ -317,6 +321,8 @@ class Replica:
                 r.cached_tokens = matched * m.block_size
             seq.own_blocks = need
             self.own_used += need
+            self._admissions += 1
+            seq.admitted = self._admissions
             self._fit_cache()
             self.cache.insert(r.blocks)
             if self.cache_log is not None:
@@ -328,8 +334,15 @@ class Replica:
             seq.first_step = math.ceil(self.steps - EPS) + 1  # the step after the one in progress
 
     def _fit_cache(self) -> None:
-        """The prefix cache keeps what the sequences leave of the KV."""
-        self.cache.capacity = max(1, self.model.kv_blocks - self.used_blocks())
+        """The prefix cache keeps what the sequences leave of the KV: the least recent blocks beyond
+        that are evicted (and a heartbeat's copy of the cache evicts them too)."""
+        capacity = max(1, self.model.kv_blocks - self.used_blocks())
+        if capacity != self.cache.capacity:
+            self.cache.capacity = capacity
+            if len(self.cache) > capacity:
+                self.cache.insert(())
+                if self.cache_log is not None:
+                    self.cache_log.append((capacity, ()))
 
     def _blocks_of(self, seq: Seq) -> int:
         """The blocks a sequence holds: its prompt's, and if decoding, those of its output so far."""
@@ -428,16 +441,21 @@ class Replica:
             (s for _, _, s in self.running if s.request.band > band),
             key=lambda s: (s.request.band, s.request.arrival),
         )
-        chosen = []
-        free = self.free_blocks
-        while victims and need > free:
+        chosen: list[Seq] = []
+        own, grown = self.own_used, self.grown_tokens()
+        while victims and need > self._free_after(own, grown):
             victim = victims.pop()
             chosen.append(victim)
-            free += self._blocks_of(victim)
-        if need > free:
+            own -= victim.own_blocks
+            grown -= max(0.0, self.steps - victim.grow_from)
+        if need > self._free_after(own, grown):
             return  # preempting would not make room: nothing is preempted
         for victim in chosen:
             self._preempt(victim)
+
+    def _free_after(self, own: int, grown: float) -> int:
+        """Free blocks with `own` prompt blocks held and `grown` tokens generated (as `free_blocks`)."""
+        return self.model.kv_blocks - own - math.ceil(max(0.0, grown) / self.model.block_size - EPS)
 
     def _preempt(self, seq: Seq, front: bool = False) -> None:
         """Free its blocks and send it back to wait (`front`: ahead of the others, as vLLM puts a
@@ -455,15 +473,38 @@ class Replica:
         self._wait(seq, front=front and self.model.scheduling != "priority")
 
     def _relieve(self) -> None:
-        """Preempt decoding sequences while they need more blocks than there are: the latest admitted
-        first (fcfs), or the lowest priority and latest arrival (priority)."""
+        """Preempt admitted sequences while the decoding ones need more blocks than there are, as vLLM
+        preempts from the end of its running list: the latest admitted, decoding or still in prefill
+        (fcfs), or the lowest priority and latest arrival (priority)."""
+        by_priority = self.model.scheduling == "priority"
         while self.running and len(self.running) + len(self.prefilling) > 1 and self.free_blocks < 0:
-            by_priority = self.model.scheduling == "priority"
             victim = max(
-                (entry[2] for entry in self.running),
-                key=lambda s: (s.request.band if by_priority else 0, s.grow_from, s.request.arrival),
+                itertools.chain((entry[2] for entry in self.running), self.prefilling),
+                key=lambda s: (s.request.band, s.request.arrival) if by_priority else (0, s.admitted),
             )
-            self._preempt(victim, front=True)
+            if victim.decoding:
+                self._preempt(victim, front=True)
+            else:
+                self._preempt_prefill(victim)
+
+    def _preempt_prefill(self, seq: Seq) -> None:
+        """Take a sequence out of the prefill queue (what it computed is lost) and send it back to wait
+        at the head of the queue."""
+        at = self.prefilling.index(seq)
+        start = seq.cum_end - seq.uncached
+        del self.prefilling[at]
+        for later in itertools.islice(self.prefilling, at, None):
+            later.cum_end -= seq.uncached
+        self.prefill_end -= seq.uncached
+        self.prefill_done = min(self.prefill_done, start)  # the head's progress is lost; others had none
+        self.version += 1
+        self.own_used -= seq.own_blocks
+        seq.own_blocks = 0
+        self._fit_cache()
+        self._release_adapter(seq.request.adapter)
+        seq.request.preempted += 1
+        self.preemptions += 1
+        self._wait(seq, front=self.model.scheduling != "priority")
 
     def process(self, now: float) -> list[Request]:
         """Finish what is due at `now`; returns requests that completed."""
@@ -478,6 +519,7 @@ class Replica:
             at = now + (first - self.steps) * self.step_s()
             if math.isnan(seq.request.first_token):
                 seq.request.first_token = at
+                self.started.append(seq.request)
             left = seq.request.output_tokens - seq.generated
             if left <= 1:
                 finished.append(self._finish(seq, now))

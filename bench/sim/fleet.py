@@ -5,16 +5,19 @@ state changes; a stale one is recognised by the replica's version and skipped. H
 live replica each `heartbeat_s` (or as often as the router refreshes, `refresh_s`). Routers read views of
 the replicas (views.py): the replicas themselves (`exact`) or their last report plus the router's own
 placements since (`heartbeat`). A router that counts its own requests in flight (`finished`) is told of
-each request that ends, as a gateway sees a response end. A scaler's target is applied at once: a lower
-one drains that many replicas, those with the fewest requests first. A request a
-router holds waits in the hold, interactive ahead of batch and in arrival order within each (a router with
-`fair_hold`, sluice's, orders it as the dispatcher's hold does: `dispatcher.hold.FairQueue`, teams by
-tokens served within a band), and the hold is retried (at most `max_misses` failures in a row) after
-every heartbeat round, every replica start and every finished request, for every router alike.
+each request that ends, as a gateway sees a response end, and one that learns from first tokens
+(`first_token`) of each first token, as a gateway sees a stream's first chunk. A scaler's target is
+applied at once: a lower one cancels replicas still starting, then drains ready ones, those with the
+fewest requests first, as a ReplicaSet scales down. A request a router holds waits in the hold,
+interactive ahead of batch and in arrival order within each (a router with `fair_hold`, sluice's, orders
+it as the dispatcher's hold does: `dispatcher.hold.FairQueue`, teams by tokens served within a band),
+and the hold is retried (at most `max_misses` failures in a row) after every heartbeat round, every
+replica start and every finished request, for every router alike.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -45,7 +48,10 @@ class FleetState:
     completed_recent: dict[int, float]  # completions per second over the last 10 s, per ready replica
     prefill_tokens: int = 0  # prompt tokens not yet prefilled: held, waiting and in prefill
     ttft_mean: float = math.nan  # mean time to first token of the requests finished since the last tick
-    held: int = 0  # requests in the hold: read from Kafka and not yet placed (the consumer group's lag)
+    held: int = 0  # requests in the hold: read from Kafka and not yet placed
+    # The consumer group's lag: the dispatcher commits a partition up to its oldest record not yet
+    # placed, so every request that arrived since the oldest held one is lag (one partition: the most).
+    lag: int = 0
     isl_mean: float = math.nan  # mean prompt tokens of the requests finished since the last tick
     osl_mean: float = math.nan  # mean output tokens of the same
 
@@ -176,6 +182,7 @@ class Fleet:
         self._completions: dict[int, CompletionRate] = {}  # what the scaler reads, by replica
         self._ttft_sum, self._ttft_count = 0.0, 0
         self._isl_sum, self._osl_sum = 0.0, 0.0
+        self._arrival_times: list[float] = []
 
     # heap
     def _push(self, t: float, kind: int, arg: int = 0) -> None:
@@ -207,6 +214,7 @@ class Fleet:
             self._account(t)
             if kind == ARRIVAL and pending is not None:
                 self.arrived += 1
+                self._arrival_times.append(pending.arrival)
                 self._offer(pending, t)
                 pending = next(arrivals, None)
                 if pending is not None:
@@ -216,6 +224,11 @@ class Fleet:
                 if replica is None or replica.version % 1_000_000 != arg % 1_000_000:
                     continue
                 finished = replica.process(t)
+                started = getattr(self.router, "first_token", None)
+                if started is not None:
+                    for request in replica.started:
+                        started(request, t)
+                replica.started.clear()
                 ended = getattr(self.router, "finished", None)
                 for request in finished:
                     if ended is not None:
@@ -305,9 +318,14 @@ class Fleet:
         n = self._ttft_count
         ttft, isl, osl = (self._ttft_sum / n, self._isl_sum / n, self._osl_sum / n) if n else (math.nan,) * 3
         self._ttft_sum, self._isl_sum, self._osl_sum, self._ttft_count = 0.0, 0.0, 0.0, 0
+        lag = 0
+        if held:
+            oldest = min(r.arrival for r in self.hold.requests())
+            lag = self.arrived - bisect.bisect_left(self._arrival_times, oldest)
         state = FleetState(
-            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, isl, osl
-        )
+            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, lag,
+            isl, osl,
+        )  # fmt: skip
         target = self.scaler.target(state)
         current = len(ready) + self.starting
         for _ in range(max(0, target - current)):

@@ -384,8 +384,10 @@ class LlmdPredictedLatencyRouter(Stateless):
     blended 0.8 / 0.2, weight (1 - blend) x 99 + 2). With no valid pod, an idle one (no running requests)
     is preferred; else the pods violating TPOT only, then TTFT only, then both, weighted by how far they
     miss ((1 - badness) x 80 + 2). Only sheddable requests (none here) are refused. The model is
-    `OnlineLatencyModel`, trained on this run's own completions; until it has its first fit every
-    prediction is 0.
+    `OnlineLatencyModel`, trained on this run's own requests (TTFT at each first token, TPOT at each
+    end); until it has its first fit every prediction is 0. The TPOT SLO of 100 ms is often out of reach
+    on a replica running a 2,048-token prefill chunk (about 180 ms a step), so much of the time no pod
+    is valid and it picks from the negative tier.
     """
 
     name = "llm-d-predicted"
@@ -411,11 +413,16 @@ class LlmdPredictedLatencyRouter(Stateless):
         tpot = np.array([1.0, kv, tokens, waiting, running])
         return ttft, tpot, prefix
 
+    def first_token(self, request: Request, now: float) -> None:
+        """A TTFT sample, as the gateway records it at the stream's first chunk."""
+        seen = self.routed.get(request.rid)
+        if seen is not None:
+            self.ttft.learn(seen.ttft_features, request.first_token - seen.at, now)
+
     def finished(self, request: Request, now: float) -> None:
         seen = self.routed.pop(request.rid, None)
         if seen is None:
             return
-        self.ttft.learn(seen.ttft_features, request.first_token - seen.at, now)
         if request.output_tokens > 1:
             tpot = (request.done - request.first_token) / (request.output_tokens - 1)
             self.tpot.learn(seen.tpot_features, tpot, now)

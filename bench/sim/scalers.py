@@ -4,9 +4,10 @@
   `ReplicaMeasures` and `pool_signals` on heartbeats (it learns the start-up from the replicas' launch and
   ready times, as from the live heartbeats' started_at and ready_at), and `policy.decide` every tick.
 - `keda`: KEDA's Kafka scaler as the HPA applies it. Sources: kedacore/keda pkg/scalers/kafka_scaler.go
-  (metric = the consumer group's lag, target lagThreshold, default 10, activation 0: here the requests
-  the dispatcher has read and not yet placed, whose offsets it has not committed; requests waiting inside
-  engines were placed and are not lag) and the Kubernetes HPA algorithm
+  (metric = the consumer group's lag, target lagThreshold, default 10, activation 0: the dispatcher
+  commits a partition up to its oldest record not yet placed, so the lag is every request that arrived
+  since the oldest one it holds, counted as one partition, which is the most it can be; requests that
+  were placed are not lag once nothing older is held) and the Kubernetes HPA algorithm
   (desired = ceil(current x metric / target), 10% tolerance, metrics re-read every 15 s by the HPA,
   KEDA's 30 s pollingInterval governing only activation from zero; default behaviour: scale up by at most
   max(4 pods, 100%) per 15 s, scale down after a 300 s stabilisation window, then by up to 100% per
@@ -101,7 +102,9 @@ class Hpa:
         while self.history and now - self.history[0][0] > self.window_s:
             self.history.popleft()
         if desired < current:
-            return max(d for _, d in self.history)  # the highest recommendation of the window
+            # The highest recommendation of the window, never above the current count: a scale-down
+            # that the window holds back keeps what there is (and may then remove 100% per 15 s).
+            return min(current, max(d for _, d in self.history))
         while self.ups and now - self.ups[0][0] >= 15.0:
             self.ups.popleft()
         base = self.ups[0][1] if self.ups else current  # replicas at the start of the period
@@ -123,7 +126,7 @@ class KedaScaler:
 
     def target(self, state: FleetState) -> int:
         current = len(state.ready) + state.starting
-        desired = math.ceil(state.held / self.lag_threshold)
+        desired = math.ceil(state.lag / self.lag_threshold)
         return self.hpa.apply(state.now, current, desired)
 
 

@@ -23,7 +23,7 @@ DEFAULTS = {"sluice": 5.0, "llm-d": 3.0, "sglang": 64.0, "dynamo": 1.0, "llm-d-p
 SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
     "sluice": ("prefix weight", (2.0, 3.0, 5.0, 8.0)),
     "llm-d": ("prefix weight (kv 2, queue 2)", (1.0, 3.0, 5.0, 8.0)),
-    "sglang": ("balance_abs_threshold", (16.0, 32.0, 64.0, 128.0)),
+    "sglang": ("balance_abs_threshold", (64.0, 128.0, 256.0, 1e6)),
     "dynamo": ("prefill_load_scale", (1.0, 2.0, 4.0, 8.0)),
     "llm-d-predicted": ("affinity threshold", (0.5, 0.7, 0.8, 0.9)),
 }

@@ -181,6 +181,25 @@ def test_fcfs_never_preempts_for_an_admission() -> None:
     assert first.done <= urgent.first_token
 
 
+def test_decoding_shrinks_the_prefix_cache_and_the_books_hold_through_growth_preemptions() -> None:
+    model = TimingModel(kv_blocks=300, chunk_tokens=2048)
+    replica = Replica(0, model)
+    replica.cache.insert(blocks_of("old", 0, 250))  # a cache filling what sequences leave free
+    rs = [request(i, f"q{i}", 10, 800 + 100 * i, at=0.001 * i) for i in range(8)]
+    for r in rs:
+        replica.place(r, r.arrival)
+    while replica.in_system:
+        replica.process(replica.next_event())
+        admitted = [s for _, _, s in replica.running] + list(replica.prefilling)
+        assert replica.own_used == sum(s.own_blocks for s in admitted)
+        assert replica._growing == len(replica.running)
+        assert len(replica.cache) <= max(1, model.kv_blocks - replica.used_blocks())
+        assert replica.used_blocks() <= model.kv_blocks + 1
+    assert replica.preemptions > 0, "decoding outgrew the KV"
+    assert all(r.done > 0 for r in rs)
+    assert replica.free_blocks == 300
+
+
 def test_kv_usage_never_depends_on_the_hidden_output_lengths_of_running_requests() -> None:
     """Two replicas given the same prompts, whose outputs differ only in their (hidden) lengths, report
     the same figures until the first request ends."""
@@ -272,15 +291,15 @@ def fleet_state(**kw: object) -> FleetState:
 
 def test_keda_asks_for_lag_over_threshold_and_holds_its_scale_down_for_the_window() -> None:
     keda = KedaScaler(1, 20, lag_threshold=10)
-    assert keda.target(fleet_state(held=95, backlog=95, starting=10)) == 10
+    assert keda.target(fleet_state(lag=95, backlog=95, starting=10)) == 10
     assert keda.target(fleet_state(now=30.0, starting=10)) == 10  # stabilised
     assert keda.target(fleet_state(now=400.0, starting=10)) == 1
-    assert KedaScaler(1, 20, lag_threshold=50).target(fleet_state(held=95, backlog=95, starting=2)) == 2
+    assert KedaScaler(1, 20, lag_threshold=50).target(fleet_state(lag=95, backlog=95, starting=2)) == 2
 
 
 def test_keda_reads_the_consumer_groups_lag_not_requests_waiting_inside_engines() -> None:
     keda = KedaScaler(1, 20, lag_threshold=10)
-    assert keda.target(fleet_state(held=0, backlog=95, starting=1)) == 1
+    assert keda.target(fleet_state(lag=0, backlog=95, starting=1)) == 1
 
 
 class FixedTarget:
@@ -301,11 +320,54 @@ def test_a_lower_target_drains_that_many_replicas_at_once() -> None:
     assert fleet.timeline[0][1] == 2
 
 
+def test_a_lower_target_cancels_replicas_still_starting_before_it_drains_ready_ones() -> None:
+    scaler = FixedTarget(5)
+    fleet = Fleet(make_router("round-robin", 1), MODEL, 2, scaler=scaler, startup_s=100.0)
+    arrivals = iter([request(i, f"p{i}", 4, 3000, at=float(i)) for i in range(40)])
+    fleet.run(arrivals, until=5.0, drain_s=14.0)  # one tick at 0 s: 3 launched
+    assert (fleet.starting, len(fleet.live)) == (3, 2)
+    scaler.wanted = 3
+    fleet._scale(15.0, fleet._by_index)
+    assert (fleet.starting, len(fleet.live)) == (1, 2)  # two of the starting ones are cancelled
+    assert not any(r.draining for r in fleet.live)
+    scaler.wanted = 1
+    fleet._scale(30.0, fleet._by_index)
+    assert fleet.starting == 0
+    assert sum(not r.draining for r in fleet.live) == 1
+
+
+def test_the_hpa_never_raises_the_count_from_its_scale_down_window() -> None:
+    keda = KedaScaler(1, 100, lag_threshold=10)
+    assert keda.target(fleet_state(lag=200, starting=1)) == 5  # asked for 20, allowed 5 this period
+    assert keda.target(fleet_state(now=5.0, lag=30, starting=5)) == 5  # asks 3: the window holds 20, kept 5
+    assert keda.target(fleet_state(now=400.0, lag=0, starting=5)) == 1  # the window has passed
+
+
+def test_the_lag_keda_reads_is_every_arrival_since_the_oldest_held_request() -> None:
+    seen: list[FleetState] = []
+
+    class Watch(FixedTarget):
+        def target(self, state: FleetState) -> int:
+            seen.append(state)
+            return self.wanted
+
+    # One replica of 2 slots behind a router that holds when the replica is full (llm-d with flow
+    # control): held requests and the placed ones after the oldest are lag; an idle fleet has none.
+    model = TimingModel(max_seqs=2, chunk_tokens=1000)
+    fleet = Fleet(LlmdRouter(random.Random(1), flow_control=True), model, 1, scaler=Watch(1), views="exact")
+    arrivals = [request(i, f"p{i}", 40, 2000, at=0.001 * i) for i in range(12)]
+    fleet.run(iter(arrivals), until=20.0, drain_s=0.0)
+    busy = [s for s in seen if s.held]
+    assert busy, "some requests were held"
+    assert all(s.lag >= s.held for s in busy)
+    assert all(s.lag == 0 for s in seen if not s.held)
+
+
 def test_the_hpa_adds_at_most_four_pods_or_doubles_per_period() -> None:
     keda = KedaScaler(1, 100, lag_threshold=10)
-    assert keda.target(fleet_state(held=1000, starting=1)) == 5  # max(1 + 4, 2 x 1)
-    assert keda.target(fleet_state(now=5.0, held=1000, starting=5)) == 5  # same period
-    assert keda.target(fleet_state(now=20.0, held=1000, starting=5)) == 10  # next: 2 x 5
+    assert keda.target(fleet_state(lag=1000, starting=1)) == 5  # max(1 + 4, 2 x 1)
+    assert keda.target(fleet_state(now=5.0, lag=1000, starting=5)) == 5  # same period
+    assert keda.target(fleet_state(now=20.0, lag=1000, starting=5)) == 10  # next: 2 x 5
 
 
 def test_reactive_scales_with_requests_in_the_system() -> None:
@@ -400,8 +462,9 @@ def test_sglang_routes_a_miss_to_its_least_loaded_worker_and_a_hit_by_its_own_ro
     # A repeat of x's prompt matches the tree of the worker it was routed to (ratio 1 > 0.3).
     assert router.route(request(3, "x", 10, 5), [a, b], 0.0) is first
     # "other" is in b's engine cache but in no tree: a miss, to the least loaded.
+    router.finished(_ended(request(1, "x", 10, 5), first), 1.0)
     router.finished(_ended(request(3, "x", 10, 5), first), 1.0)
-    assert router.load.count[first.index] == 1
+    assert (router.load.count[first.index], router.load.count[second.index]) == (0, 1)
     assert router.route(request(4, "other", 10, 5), [a, b], 1.0) is first
 
 
@@ -450,6 +513,26 @@ def test_dynamo_counts_a_tenants_shared_blocks_once_and_never_an_output() -> Non
     assert router2.route(Request(9, 1.0, tenant + blocks_of("q9", 0, 2), 52 * 16, 5), [a, c], 1.0) is a
 
 
+def test_dynamo_releases_a_requests_blocks_and_prefill_when_it_ends() -> None:
+    router = DynamoRouter(random.Random(1))
+    a = Replica(0, MODEL)
+    shared = blocks_of("t", 0, 10)
+    one = Request(1, 0.0, shared + blocks_of("x", 0, 1), 11 * 16, 5)
+    two = Request(2, 0.0, shared + blocks_of("y", 0, 1), 11 * 16, 5)
+    router.route(one, [a], 0.0)
+    router.route(two, [a], 0.0)
+    assert len(router.active[0]) == 12
+    assert router.prefill_tokens(0, 0.0) == 2 * 11 * 16
+    one.replica = 0
+    router.finished(one, 1.0)
+    assert len(router.active[0]) == 11  # the shared blocks stay while two holds them
+    assert router.prefill_tokens(0, 1.0) == 11 * 16
+    two.replica = 0
+    router.finished(two, 2.0)
+    assert not router.active[0]
+    assert router.prefill_tokens(0, 2.0) == 0
+
+
 def test_dynamo_queues_only_while_every_worker_is_busy() -> None:
     router = DynamoRouter(random.Random(1), queue_threshold=0.5)  # busy above 500 prefill tokens
     a, b = Replica(0, MODEL), Replica(1, MODEL)
@@ -494,6 +577,7 @@ def test_the_predicted_latency_model_learns_from_completions() -> None:
         view = router.route(r, replicas, float(rid))
         assert view is not None
         r.replica, r.first_token, r.done = view.index, rid + 0.1 + 0.001 * r.prompt_tokens, rid + 1.0
+        router.first_token(r, r.first_token)
         router.finished(r, rid + 1.0)
     assert router.ttft.trained
     features = np.array([1.0, 0, 320.0, 0, 0, 0, 320.0, 0])
