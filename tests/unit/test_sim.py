@@ -458,6 +458,8 @@ def test_sglang_routes_a_miss_to_its_least_loaded_worker_and_a_hit_by_its_own_ro
     assert first in (a, b)
     # The next miss goes to the other worker: the one with fewer requests in flight.
     second = router.route(request(2, "y", 10, 5), [a, b], 0.0)
+    assert isinstance(first, Replica)
+    assert isinstance(second, Replica)
     assert second is not first
     # A repeat of x's prompt matches the tree of the worker it was routed to (ratio 1 > 0.3).
     assert router.route(request(3, "x", 10, 5), [a, b], 0.0) is first
