@@ -577,7 +577,7 @@ TUNED: dict[str, float] = {
     "llm-d": 3.0,  # the prefix scorer's weight (kv 2, queue 2)
     "sglang": 128.0,  # balance_abs_threshold
     "dynamo": 2.0,  # --router-prefill-load-scale
-    "llm-d-predicted": 0.80,  # the affinity gate's threshold
+    "llm-d-predicted": 0.90,  # the affinity gate's threshold
 }
 
 
@@ -625,6 +625,6 @@ TUNABLE = tuple(TUNED)
 # default's); `--routers NAME-tuned` runs any of them.
 ROUTERS = (
     "sluice", "random", "round-robin", "least-loaded", "sglang", "sglang-tuned", "llm-d",
-    "llm-d-flow-control", "llm-d-predicted", "dynamo", "dynamo-tuned",
+    "llm-d-flow-control", "llm-d-predicted", "llm-d-predicted-tuned", "dynamo", "dynamo-tuned",
 )  # fmt: skip
 LORA_ROUTERS = ("sluice-adapter-blind", "llm-d-lora")
