@@ -41,6 +41,7 @@ import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpu_workers.prefix_cache import PrefixCache
 from gpu_workers.presence import CompletionRate
@@ -49,12 +50,19 @@ from queue_schemas.messages import BATCH_ENGINE_PRIORITY, ENGINE_PRIORITY, Tier
 EPS = 1e-6  # in tokens and steps; the counters grow large, so an absolute 1e-9 is below float precision
 
 
-def leading_cached(cache: PrefixCache, blocks: tuple[str, ...]) -> int:
-    """`cache.match(blocks)` by bisection: O(log n) lookups instead of up to n.
+class Blocks(Protocol):
+    """A set of block hashes (a prefix cache, a router's active blocks)."""
 
-    Exact for this simulator's caches, in which every chain is prefix-closed: a prompt is always inserted
-    whole from its first block, `insert` leaves a chain's blocks more recent the nearer they are to its
-    start, and eviction takes the least recent, so a chain loses blocks only from its end.
+    def __contains__(self, block_hash: str, /) -> bool: ...
+
+
+def leading_cached(cache: Blocks, blocks: tuple[str, ...]) -> int:
+    """How many leading blocks are in `cache`, by bisection: O(log n) lookups instead of up to n.
+
+    Exact for any set of blocks in which every chain is prefix-closed. This simulator's caches are: a
+    prompt is always inserted whole from its first block, `insert` leaves a chain's blocks more recent the
+    nearer they are to its start, and eviction takes the least recent, so a chain loses blocks only from
+    its end. So is a router's set of active prompt blocks, which holds whole prompts.
     """
     if not blocks or blocks[0] not in cache:
         return 0  # the common case on a fleet: another tenant's replica

@@ -52,8 +52,6 @@ class FleetState:
     # The consumer group's lag: the dispatcher commits a partition up to its oldest record not yet
     # placed, so every request that arrived since the oldest held one is lag (one partition: the most).
     lag: int = 0
-    isl_mean: float = math.nan  # mean prompt tokens of the requests finished since the last tick
-    osl_mean: float = math.nan  # mean output tokens of the same
 
 
 class SimHold:
@@ -181,7 +179,6 @@ class Fleet:
         self.hold_peak = 0
         self._completions: dict[int, CompletionRate] = {}  # what the scaler reads, by replica
         self._ttft_sum, self._ttft_count = 0.0, 0
-        self._isl_sum, self._osl_sum = 0.0, 0.0
         self._arrival_times: list[float] = []
 
     # heap
@@ -235,8 +232,6 @@ class Fleet:
                         ended(request, t)
                     self.stats.add(request)
                     self._ttft_sum += request.first_token - request.arrival
-                    self._isl_sum += request.prompt_tokens
-                    self._osl_sum += request.output_tokens
                     self._ttft_count += 1
                     if self.sink is not None:
                         self.sink.append(request)
@@ -315,16 +310,14 @@ class Fleet:
         held = len(self.hold)
         backlog = held + sum(r.queue for r in ready)
         prefill = sum(r.prompt_tokens for r in self.hold.requests()) + sum(r.prefill_tokens() for r in ready)
-        n = self._ttft_count
-        ttft, isl, osl = (self._ttft_sum / n, self._isl_sum / n, self._osl_sum / n) if n else (math.nan,) * 3
-        self._ttft_sum, self._isl_sum, self._osl_sum, self._ttft_count = 0.0, 0.0, 0.0, 0
+        ttft = self._ttft_sum / self._ttft_count if self._ttft_count else math.nan
+        self._ttft_sum, self._ttft_count = 0.0, 0
         lag = 0
         if held:
             oldest = min(r.arrival for r in self.hold.requests())
             lag = self.arrived - bisect.bisect_left(self._arrival_times, oldest)
         state = FleetState(
-            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, lag,
-            isl, osl,
+            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, lag
         )  # fmt: skip
         target = self.scaler.target(state)
         current = len(ready) + self.starting

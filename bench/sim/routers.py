@@ -528,19 +528,9 @@ class DynamoRouter(Stateless):
         return sum(tokens for _, tokens in pending.values())
 
     def new_blocks(self, index: int, blocks: tuple[str, ...]) -> int:
-        """The prompt's blocks not among the worker's active ones (a chain's blocks are active from its
-        first on, so the active ones are a leading run)."""
-        active = self.active.get(index)
-        if not active or not blocks or blocks[0] not in active:
-            return len(blocks)
-        lo, hi = 1, len(blocks)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if blocks[mid - 1] in active:
-                lo = mid
-            else:
-                hi = mid - 1
-        return len(blocks) - lo
+        """The prompt's blocks not among the worker's active ones (active prompts are held whole, so
+        the active ones are a leading run)."""
+        return len(blocks) - leading_cached(self.active.get(index, Counter()), blocks)
 
     def busy(self, view: ReplicaView, now: float) -> bool:
         if self.queue_threshold is None:
