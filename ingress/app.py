@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,6 +32,7 @@ from openai_api.structured import preload_schema_compiler
 from openai_api.tokenizer import tokenizer_for
 from plumbing.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
 from plumbing.health import Liveness
+from plumbing.loop_busy import watch_loop_busy
 from plumbing.model_store import ModelStore
 
 log = structlog.get_logger("sluice.ingress")
@@ -81,6 +83,8 @@ def create_app(settings: IngressSettings) -> FastAPI:
             names, redis, producer, settings.batch_keeper_interval_s, settings.usage_claim_idle_s, liveness
         )
         relay.start()
+        loop_busy = asyncio.create_task(watch_loop_busy(), name="loop-busy")
+        liveness.watch("loop-busy", loop_busy)
         app.state.ctx = IngressContext(
             settings,
             pools,
@@ -101,6 +105,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
         finally:
             app.state.ctx.checks.close()
             app.state.ctx.uploads.close()
+            loop_busy.cancel()
             await relay.close()
             await keeper.close()
             await hub.close()

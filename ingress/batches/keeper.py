@@ -67,6 +67,10 @@ log = structlog.get_logger("sluice.ingress.batches")
 
 LEASE_MS = 15_000
 SUBMIT_CHUNK = 500  # lines sent per round per batch, then the cursor is saved
+# Lines handled between two turns given back to the event loop, and the keeper's own answers stored per
+# round trip: a batch of many lines never holds the loop other teams' streams run on.
+LINES_PER_TURN = 50
+ANSWER_PAGE = 100
 SERVICE_KEY_TTL_S = 8 * 24 * 3600  # longer than any line waits in a batch topic
 RESULT_LINES_TTL_S = 600  # the collected lines, kept a while after the files are written
 STEP_FAULTS = 3  # rounds in a row a batch's step may raise before the batch is failed
@@ -309,6 +313,8 @@ class BatchKeeper:
         now = time.time()
         sent: list[tuple[int, InputLine, int, asyncio.Future[Any] | BaseException]] = []
         for number, (line, end) in enumerate(window, start=cursor):
+            if number % LINES_PER_TURN == 0:
+                await asyncio.sleep(0)
             submission = self._submission(team, batch_id, number, line, key, fields, now)
             if isinstance(submission, dict):  # answered here: its model is not served to this key
                 await self._store_line(team, batch_id, number, submission)
@@ -404,9 +410,9 @@ class BatchKeeper:
         names = self.names
         now = time.time()
         pending = [n for n in range(int(fields["cursor"])) if n not in answered]
-        for start in range(0, len(pending), SUBMIT_CHUNK):
+        for start in range(0, len(pending), ANSWER_PAGE):
             async with self.redis.pipeline(transaction=False) as pipe:
-                for number in pending[start : start + SUBMIT_CHUNK]:
+                for number in pending[start : start + ANSWER_PAGE]:
                     rid = internal_request_id(team, line_request_id(team, batch_id, number))
                     cancel(pipe, names, rid, "batch cancelled", now)
                 await pipe.execute()
@@ -437,7 +443,7 @@ class BatchKeeper:
                             local_error_line(team, batch_id, number, f"line-{number + 1}", code, message),
                         )
                     )
-                if len(page) >= SUBMIT_CHUNK:
+                if len(page) >= ANSWER_PAGE:
                     await self._store_page(team, batch_id, page)
             await self._store_page(team, batch_id, page)
             return
@@ -446,7 +452,7 @@ class BatchKeeper:
         async for line in lines_from(self.store, record, start):
             if number >= first and number not in answered:
                 page.append((number, local_error_line(team, batch_id, number, line.custom_id, code, message)))
-                if len(page) >= SUBMIT_CHUNK:
+                if len(page) >= ANSWER_PAGE:
                     await self._store_page(team, batch_id, page)
             number += 1
         await self._store_page(team, batch_id, page)
