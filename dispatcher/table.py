@@ -113,6 +113,23 @@ def queues_full(
     return np.where(slots > 0, beyond, queue >= depth)
 
 
+def stale_rows(table: WorkerTable, now: float) -> npt.NDArray[np.bool_]:
+    """Rows not ready, or whose heartbeat is past its freshness."""
+    stale: npt.NDArray[np.bool_] = (table.col("ready") == 0) | (now > table.col("fresh_until"))
+    return stale
+
+
+def queued(table: WorkerTable) -> Floats:
+    """What waits at each row: its heartbeat's queue and the placements made since."""
+    return table.col("queue_base") + table.col("in_flight")
+
+
+def refused_by_all(table: WorkerTable, now: float, policy: PlacementPolicy, light: bool = False) -> bool:
+    """Whether every row is stale or has a full queue, so that `choose_fast` holds any request (of that
+    lightness) whatever it asks: a hold of many requests is retried without scoring each."""
+    return bool((stale_rows(table, now) | queues_full(table, queued(table), policy, light)).all())
+
+
 def choose_fast(
     table: WorkerTable,
     matched: Floats,
@@ -133,9 +150,9 @@ def choose_fast(
     needed = np.ceil((uncached + output) / block_size)
     safe_total = np.where(total > 0, total, 1.0)
     after = np.where(total > 0, (table.col("free") - table.col("blocks") - needed) / safe_total, 0.0)
-    queue = table.col("queue_base") + table.col("in_flight")
+    queue = queued(table)
 
-    stale = (table.col("ready") == 0) | (now > table.col("fresh_until"))
+    stale = stale_rows(table, now)
     full = ~stale & queues_full(table, queue, policy, demand.light)
     no_kv = ~stale & ~full & (after < policy.kv_reserve_fraction)
     no_batch = ~stale & ~full & ~no_kv

@@ -25,7 +25,7 @@ from bench.sim.engine import Request, leading_cached
 from bench.sim.views import ReplicaView
 from dispatcher.placement import Demand, PlacementPolicy
 from dispatcher.scorers import default_weights
-from dispatcher.table import WorkerTable, choose_fast
+from dispatcher.table import WorkerTable, choose_fast, refused_by_all
 from gpu_workers.prefix_cache import PrefixCache
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
@@ -85,22 +85,33 @@ class SluiceRouter:
         self._seq = 0
         self.decision_s = 0.0
         self.decisions = 0
+        # (time, table changes) at which every row was last found stale or full: until either moves, every
+        # request is held without being scored (a long hold is retried many times between two changes).
+        self._changes = 0
+        self._refused_at: tuple[float, int] | None = None
 
     def _forget_gone(self, live: Collection[str]) -> None:
         for worker_id in [w for w in self.table.ids if w not in live]:
             self.table.remove(worker_id)
+            self._changes += 1
 
     def observe(self, views: Sequence[ReplicaView], now: float) -> None:
         self._forget_gone({f"r{v.index}" for v in views})
         for v in views:
             self._seq += 1
             self.table.upsert(heartbeat(v, now, self._seq), 0, 0)
+        self._changes += 1
 
     def route(self, request: Request, views: Sequence[ReplicaView], now: float) -> ReplicaView | None:
+        if self._refused_at == (now, self._changes):
+            return None  # (a worker gone since cannot make room)
         by_id = {f"r{v.index}": v for v in views}
         self._forget_gone(by_id)
         if not len(self.table):
             return None
+        if refused_by_all(self.table, now, self.policy):
+            self._refused_at = (now, self._changes)
+            return None  # what choose_fast decides for every request while all are stale or full
         matched = np.array([by_id[w].indexed(request.blocks) for w in self.table.ids], dtype=float)
         priority = Priority.BATCH if request.priority == "batch" else Priority.INTERACTIVE
         max_tokens = request.max_tokens or self.policy.expected_output_tokens
@@ -123,6 +134,7 @@ class SluiceRouter:
         if decision.worker_id is None:
             return None
         self.table.add_in_flight(decision.worker_id, decision.blocks_needed)
+        self._changes += 1
         return by_id[decision.worker_id]
 
 
