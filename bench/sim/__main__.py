@@ -6,6 +6,7 @@
 - priority: the batch flood on engines that schedule first come first served and by priority;
 - scaling: the scaling rules on a diurnal day, 3-minute start-up, over seeds, each rule's knob swept (its
   violation-minutes against GPU-hours are the frontier plot);
+- frontier: the frontier plot from the tables of `scaling` runs made separately (`--tables`);
 - llmd: llm-d's precise-prefix-cache benchmark as llm-d describes it (llmd_experiment.py);
 - scale: 64 replicas and one hour of shared-prefix traffic, timed;
 - lora: 50 LoRA adapters of Zipf popularity over 8 replicas holding 8 each: sluice's adapter-affinity
@@ -383,6 +384,31 @@ def scaling(args: argparse.Namespace) -> None:
         plot_frontier(points, args, args.plots / "sim_scaling_frontier.png")
 
 
+def scaling_points(table: str) -> dict[str, list[tuple[str, float, float]]]:
+    """(setting, GPU-hours, violation-minutes) per rule, from the medians of tables `scaling` printed."""
+    points: dict[str, list[tuple[str, float, float]]] = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 8 or cells[0] not in SCALERS:
+            continue
+        minutes, hours = (float(c.split(" [", 1)[0]) for c in (cells[2], cells[3]))
+        points.setdefault(cells[0], []).append((cells[1], hours, minutes))
+    return points
+
+
+def frontier(args: argparse.Namespace) -> None:
+    """The frontier plot from tables printed by `scaling` runs (`--tables`), for rules run separately."""
+    if not args.plots:
+        raise SystemExit("frontier: --plots names the folder for the plot")
+    points: dict[str, list[tuple[str, float, float]]] = {}
+    for path in args.tables:
+        for kind, rows in scaling_points(path.read_text()).items():
+            points.setdefault(kind, []).extend(rows)
+    if not points:
+        raise SystemExit("frontier: no scaling rows in the tables given")
+    plot_frontier(points, args, args.plots / "sim_scaling_frontier.png")
+
+
 def scale(args: argparse.Namespace) -> None:
     w = shared_prefix(rate=args.rate, tenants=1200, duration_s=3600)
     t0 = time.perf_counter()
@@ -409,6 +435,12 @@ def disagg(args: argparse.Namespace) -> None:
     experiment(args.seeds, args.jobs, args.duration, args.loads, args.all)
 
 
+def line_style(n: int) -> dict[str, Any]:
+    """The n-th line's style: matplotlib's ten colours repeat, so each ten lines take the next dash and
+    marker and no two lines look alike."""
+    return {"linestyle": ("-", "--", ":", "-.")[n // 10 % 4], "marker": "osD^v"[n // 10 % 5]}
+
+
 def plot_placement(by_views: dict[str, dict[float, dict[str, list[Result]]]], path: Path) -> None:
     import matplotlib
 
@@ -418,9 +450,9 @@ def plot_placement(by_views: dict[str, dict[float, dict[str, list[Result]]]], pa
     fig, axes = plt.subplots(1, len(by_views), figsize=(6 * len(by_views), 4.5), squeeze=False)
     for ax, (views, by_rate) in zip(axes[0], by_views.items(), strict=True):
         rates = sorted(by_rate)
-        for name in by_rate[rates[0]]:
+        for n, name in enumerate(by_rate[rates[0]]):
             p90 = [statistics.median(r.summary.ttft_p90 for r in by_rate[rate][name]) for rate in rates]
-            ax.plot(rates, p90, marker="o", label=name)
+            ax.plot(rates, p90, label=name, **line_style(n))
         ax.set_yscale("log")
         ax.set_xlabel("arrival rate, requests/s (8 replicas)")
         ax.set_ylabel("p90 time to first token, s (log; median of seeds)")
@@ -442,6 +474,7 @@ def plot_frontier(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    n = 0
     for kind, rows in points.items():
         by_variant: dict[str, list[tuple[str, float, float]]] = {}
         for label, hours, minutes in rows:
@@ -449,7 +482,8 @@ def plot_frontier(
             by_variant.setdefault(variant, []).append((label, hours, minutes))
         for variant, pts in by_variant.items():
             name = f"{kind} ({variant})" if variant else kind
-            ax.plot([h for _, h, _ in pts], [m for _, _, m in pts], marker="o", label=name)
+            ax.plot([h for _, h, _ in pts], [m for _, _, m in pts], label=name, **line_style(n))
+            n += 1
     ax.set_xlabel("GPU-hours (replica-hours) over the day")
     ax.set_ylabel("SLO-violation minutes (p90 TTFT over 2 s)")
     ax.set_title(
@@ -469,7 +503,17 @@ def main() -> None:
     )
     parser.add_argument(
         "experiment",
-        choices=["placement", "workloads", "priority", "scaling", "llmd", "scale", "lora", "disagg"],
+        choices=[
+            "placement",
+            "workloads",
+            "priority",
+            "scaling",
+            "frontier",
+            "llmd",
+            "scale",
+            "lora",
+            "disagg",
+        ],
     )
     parser.add_argument("--seed", type=int, default=1, help="for `scale`")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -498,9 +542,13 @@ def main() -> None:
     parser.add_argument("--loads", type=float, nargs="+", default=[1.0, 1.5], help="for `disagg`: x rates")
     parser.add_argument("--all", action="store_true", help="for `disagg`: every configuration, not the best")
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
+    parser.add_argument(
+        "--tables", type=Path, nargs="+", default=[], help="for `frontier`: `scaling` outputs"
+    )
     args = parser.parse_args()
     experiments = {
         "placement": placement, "workloads": workloads, "priority": priority, "scaling": scaling,
+        "frontier": frontier,
         "llmd": llmd, "scale": scale, "lora": lora, "disagg": disagg,
     }  # fmt: skip
     experiments[args.experiment](args)

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from bench.sim.__main__ import line_style, scaling_points
 from bench.sim.disagg import SplitFleet, SplitResult, SplitRun, spread
 from bench.sim.engine import Replica, Request, Seq, TimingModel, leading_cached
 from bench.sim.fleet import Fleet, FleetState, simulate
@@ -714,3 +715,26 @@ def test_the_aggregated_baseline_has_no_prefill_replicas() -> None:
 def test_a_seed_range_is_shown_only_when_it_differs_as_printed() -> None:
     assert spread("98.1%", "98.1%") == ""  # seeds apart by less than the shown precision
     assert spread("63.0%", "100.0%") == " [63.0%-100.0%]"
+
+
+def test_scaling_points_read_the_medians_of_a_printed_table() -> None:
+    table = "\n".join(
+        [
+            "| scaler | setting | SLO-violation minutes | GPU-hours | p90 TTFT s | p99 TTFT s "
+            "| peak replicas | unfinished |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| sluice | target utilisation 0.8 | 4 | 166 [159-167] | 0.081 | 0.34 | 16 [14-17] | 0 |",
+            "| dynamo-planner | 60 s, corrected | 39 [30-41] | 10 | 0.3 | 0.8 | 8 | 0 |",
+            "| not-a-rule | x | 1 | 2 | 3 | 4 | 5 | 6 |",
+        ]
+    )
+    assert scaling_points(table) == {
+        "sluice": [("target utilisation 0.8", 166.0, 4.0)],
+        "dynamo-planner": [("60 s, corrected", 10.0, 39.0)],
+    }
+
+
+def test_line_styles_differ_for_every_line_up_to_forty() -> None:
+    colours = 10
+    looks = {(n % colours, tuple(sorted(line_style(n).items()))) for n in range(40)}
+    assert len(looks) == 40
