@@ -333,18 +333,23 @@ def scaling_one(run: ScalingRun) -> tuple[int, float, float, float, int, int]:
     return minutes, s.gpu_hours, s.ttft_p90, s.ttft_p99, peak, out.unfinished
 
 
-def scaling_settings(args: argparse.Namespace) -> list[tuple[str, str, float, str]]:
-    """(rule, setting as printed, knob value, variant) for every point of the frontier."""
-    settings: list[tuple[str, str, float, str]] = [
-        *[("sluice", f"target utilisation {u:g}", u, "") for u in args.sluice_targets],
-        *[("keda", f"lagThreshold {t}", float(t), "") for t in args.lag_thresholds],
-        *[("reactive", f"HPA target {u:g} of 64", u, "") for u in args.reactive_targets],
+def scaling_settings(args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
+    """(rule, setting as printed, knob value, variant, profiled requests/s per replica) for every point of
+    the frontier. Dynamo's planner sizes the fleet from the throughput its profiler measured at the user's
+    latency targets; tighter targets profile a lower throughput, so that profile is the knob its users turn
+    (beside the adjustment interval)."""
+    c = args.capacity
+    settings: list[tuple[str, str, float, str, float]] = [
+        *[("sluice", f"target utilisation {u:g}", u, "", c) for u in args.sluice_targets],
+        *[("keda", f"lagThreshold {t}", float(t), "", c) for t in args.lag_thresholds],
+        *[("reactive", f"HPA target {u:g} of 64", u, "", c) for u in args.reactive_targets],
         *[
-            ("dynamo-planner", f"{i:g} s, {variant}", float(i), variant)
-            for variant in ("corrected", "no correction")
+            ("dynamo-planner", f"{variant}, every {i:g} s, profile {p:g} req/s", float(i), variant, p)
+            for variant in args.planner_variants
             for i in args.planner_intervals
+            for p in args.planner_capacities
         ],
-        *[("llm-d-wva", f"every {e:g} s", float(e), "") for e in args.wva_intervals],
+        *[("llm-d-wva", f"every {e:g} s", float(e), "", c) for e in args.wva_intervals],
     ]
     return [row for row in settings if row[0] in args.scalers]
 
@@ -363,10 +368,10 @@ def scaling(args: argparse.Namespace) -> None:
         futures = {
             (kind, label): [
                 pool.submit(scaling_one, ScalingRun(kind, value, seed, args.peak, args.day_s, args.startup,
-                                                    args.capacity, args.prior_startup, variant))
+                                                    capacity, args.prior_startup, variant))
                 for seed in args.seeds
             ]
-            for kind, label, value, variant in settings
+            for kind, label, value, variant, capacity in settings
         }  # fmt: skip
         for (kind, label), fs in futures.items():
             rows = [f.result() for f in fs]
@@ -478,7 +483,7 @@ def plot_frontier(
     for kind, rows in points.items():
         by_variant: dict[str, list[tuple[str, float, float]]] = {}
         for label, hours, minutes in rows:
-            variant = label.split(", ", 1)[1] if kind == "dynamo-planner" else ""
+            variant = label.rsplit(", profile ", 1)[0] if kind == "dynamo-planner" else ""
             by_variant.setdefault(variant, []).append((label, hours, minutes))
         for variant, pts in by_variant.items():
             name = f"{kind} ({variant})" if variant else kind
@@ -535,6 +540,14 @@ def main() -> None:
     parser.add_argument("--sluice-targets", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9])
     parser.add_argument("--reactive-targets", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9])
     parser.add_argument("--planner-intervals", type=float, nargs="+", default=[180.0, 60.0])
+    parser.add_argument(
+        "--planner-capacities", type=float, nargs="+", default=[9.0, 6.0, 4.5],
+        help="Dynamo's planner: profiled requests/s per replica (lower for tighter latency targets)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--planner-variants", nargs="+", choices=["corrected", "no correction"],
+        default=["corrected", "no correction"],
+    )  # fmt: skip
     parser.add_argument("--wva-intervals", type=float, nargs="+", default=[60.0, 30.0])
     parser.add_argument(
         "--scalers", nargs="+", default=list(SCALERS), choices=SCALERS, help="for `scaling`: which rules"
