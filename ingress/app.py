@@ -32,7 +32,7 @@ from openai_api.structured import preload_schema_compiler
 from openai_api.tokenizer import tokenizer_for
 from plumbing.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
 from plumbing.health import Liveness
-from plumbing.loop_busy import watch_loop_busy
+from plumbing.loop_watch import watch_loop
 from plumbing.model_store import ModelStore
 
 log = structlog.get_logger("sluice.ingress")
@@ -83,8 +83,8 @@ def create_app(settings: IngressSettings) -> FastAPI:
             names, redis, producer, settings.batch_keeper_interval_s, settings.usage_claim_idle_s, liveness
         )
         relay.start()
-        loop_busy = asyncio.create_task(watch_loop_busy(), name="loop-busy")
-        liveness.watch("loop-busy", loop_busy)
+        loop_watch = asyncio.create_task(watch_loop(), name="loop-watch")
+        liveness.watch("loop-watch", loop_watch)
         app.state.ctx = IngressContext(
             settings,
             pools,
@@ -105,7 +105,9 @@ def create_app(settings: IngressSettings) -> FastAPI:
         finally:
             app.state.ctx.checks.close()
             app.state.ctx.uploads.close()
-            loop_busy.cancel()
+            liveness.forget("loop-watch")
+            loop_watch.cancel()
+            await asyncio.gather(loop_watch, return_exceptions=True)
             await relay.close()
             await keeper.close()
             await hub.close()

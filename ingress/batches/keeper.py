@@ -67,9 +67,11 @@ log = structlog.get_logger("sluice.ingress.batches")
 
 LEASE_MS = 15_000
 SUBMIT_CHUNK = 500  # lines sent per round per batch, then the cursor is saved
-# Lines handled between two turns given back to the event loop, and the keeper's own answers stored per
-# round trip: a batch of many lines never holds the loop other teams' streams run on.
+# Lines, or bytes of input, handled between two turns given back to the event loop, and the keeper's own
+# answers stored per round trip: a batch of many (or large) lines never holds the loop other teams' streams
+# run on.
 LINES_PER_TURN = 50
+BYTES_PER_TURN = 256 * 1024
 ANSWER_PAGE = 100
 SERVICE_KEY_TTL_S = 8 * 24 * 3600  # longer than any line waits in a batch topic
 RESULT_LINES_TTL_S = 600  # the collected lines, kept a while after the files are written
@@ -312,9 +314,12 @@ class BatchKeeper:
             return
         now = time.time()
         sent: list[tuple[int, InputLine, int, asyncio.Future[Any] | BaseException]] = []
+        turned_at, lines_since, start = offset, 0, offset  # start: this line's first byte
         for number, (line, end) in enumerate(window, start=cursor):
-            if number % LINES_PER_TURN == 0:
+            if lines_since >= LINES_PER_TURN or end - turned_at > BYTES_PER_TURN:
                 await asyncio.sleep(0)
+                turned_at, lines_since = start, 0
+            lines_since, start = lines_since + 1, end
             submission = self._submission(team, batch_id, number, line, key, fields, now)
             if isinstance(submission, dict):  # answered here: its model is not served to this key
                 await self._store_line(team, batch_id, number, submission)

@@ -42,6 +42,9 @@ STREAM_TOKENS = 48
 # Hostile input handled on the loop crosses it many times over (the 64 MiB upload scanned on the loop
 # instead of the upload threads holds it for about a second); a busy host does not add to CPU time.
 MAX_LOOP_BUSY_CPU_S = 0.25
+# A loop held without using CPU (a blocking call on it) does not show in CPU time; a gap this long between
+# two chunks of a calm stream catches that, far above the 250-750 ms the scheduler alone leaves on two cores.
+STALL_BACKSTOP_S = 5.0
 DEEP = 300
 BIG_UPLOAD_BYTES = 64 * 1024 * 1024
 LINE_OVER_A_RECORD = 1024 * 1024 + 4096  # past a Kafka record's default 1 MiB
@@ -370,6 +373,7 @@ def test_attack_3_a_large_upload_neither_stalls_streams_nor_fills_memory(
     assert calm.wrong == []
     assert calm.streams >= 2
     assert ticks_over_since(held_before, stack) == {}, "an ingress's event loop was held by the upload"
+    assert calm.max_gap_s < STALL_BACKSTOP_S
     assert growth_kib < MAX_RSS_GROWTH_KIB
 
 
@@ -468,6 +472,7 @@ def test_a_hostile_team_cannot_stop_the_service_for_another(dev_stack: tuple[Dev
         f"CPU {ticks_over_since(busy_before, stack, 0.05)}; answers {found['answers']}"
     )
     assert ticks_over_since(held_before, stack) == {}, "an ingress's event loop was held by hostile input"
+    assert calm.max_gap_s < STALL_BACKSTOP_S, f"a calm stream stalled {calm.max_gap_s * 1000:.0f} ms"
     # What the hostile team leaves in Redis is bounded by its caps (records of at most FILES_CAP files and
     # BATCHES_CAP batches of 200 lines); the bytes of its uploads, the large one included, live in the file
     # store, never in Redis.
