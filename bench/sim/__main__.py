@@ -489,8 +489,14 @@ def plot_frontier(
             name = f"{kind} ({variant})" if variant else kind
             ax.plot([h for _, h, _ in pts], [m for _, _, m in pts], label=name, **line_style(n))
             n += 1
-    ax.set_xlabel("GPU-hours (replica-hours) over the day")
-    ax.set_ylabel("SLO-violation minutes (p90 TTFT over 2 s)")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=10)  # linear up to 10 minutes, where the rules that hold the SLO differ
+    ax.set_ylim(bottom=0)
+    ticks = [0, 2, 4, 6, 8, 10, 20, 50, 100, 200, 500, 1000]
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.set_xticks([50, 100, 200, 500, 1000, 2000], ["50", "100", "200", "500", "1000", "2000"])
+    ax.set_xlabel("GPU-hours (replica-hours) over the day, log scale")
+    ax.set_ylabel("SLO-violation minutes (p90 TTFT over 2 s), linear to 10 then log")
     ax.set_title(
         f"Scaling rules on a diurnal day (peak {args.peak:g} req/s, {args.startup:.0f} s start-up): "
         "lower left is better",
