@@ -25,7 +25,13 @@
   profiled to meet the SLO): the correction can only lower the count (0.8.1; 1.0.1 turns corrections
   off by default: `correction=False`). The count is set directly, up or down by any number at once.
   The sim's replicas serve prefill and decode together, so the profile is one rate per replica rather
-  than a prefill and a decode count. Its load-based mode (off by default) is not modelled.
+  than a prefill and a decode count. Its users set TTFT and ITL targets (defaults 500 ms and 50 ms) and
+  its profiler measures the throughput per GPU that meets them, so that rate is the knob swept: on this
+  replica model (decode step 15 ms + 0.15 ms per sequence, 350 uncached prompt tokens and 250 output
+  tokens a request) the 64 slots bind before a 50 ms ITL does, at about 8 requests/s; ITL targets of
+  about 20.5 and 18.6 ms give 6 and 4.5. Not modelled: the decode-side correction (0.8.1 divides the
+  ITL target by observed / profiled ITL, which can raise the count), demand counted in prompt and
+  output tokens rather than requests, and its load-based mode (off by default).
 - `llm-d-wva`: llm-d's workload-variant-autoscaler, saturation mode. Sources:
   llm-d-incubation/workload-variant-autoscaler `docs/saturation-analyzer.md` and
   `internal/saturation/analyzer.go` (HEAD of 2026-02). Every 60 s (`GLOBAL_OPT_INTERVAL`) it reads each
