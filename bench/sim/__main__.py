@@ -472,7 +472,7 @@ def plot_frontier(
     points: dict[str, list[tuple[str, float, float]]], args: argparse.Namespace, path: Path
 ) -> None:
     """Each rule's violation-minutes against its GPU-hours, one point per knob setting (medians of the
-    seeds), joined in the order of the knob."""
+    seeds), joined in order of GPU-hours."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -486,6 +486,7 @@ def plot_frontier(
             variant = label.rsplit(", profile ", 1)[0] if kind == "dynamo-planner" else ""
             by_variant.setdefault(variant, []).append((label, hours, minutes))
         for variant, pts in by_variant.items():
+            pts.sort(key=lambda p: p[1])  # settings run apart arrive in any order
             name = f"{kind} ({variant})" if variant else kind
             ax.plot([h for _, h, _ in pts], [m for _, _, m in pts], label=name, **line_style(n))
             n += 1
