@@ -25,7 +25,7 @@ async def read_window(
     and the file offset where the next window starts (past any blank lines read). A window of blank lines
     alone finds no request but still moves on."""
     data = await store.read_range(record.key, offset, READ_WINDOW)
-    # Parsing a window's lines takes a quarter of a second of CPU at the most; on a thread, not the loop.
+    # Parsing a window of many long lines can take a quarter of a second of CPU: on a thread, not the loop.
     found, used = await asyncio.to_thread(request_lines, data, offset + len(data) >= record.bytes, most)
     return [(line, offset + end) for line, end in found], offset + used
 
