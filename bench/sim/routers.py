@@ -109,9 +109,6 @@ class SluiceRouter:
         self._forget_gone(by_id)
         if not len(self.table):
             return None
-        if refused_by_all(self.table, now, self.policy):
-            self._refused_at = (now, self._changes)
-            return None  # what choose_fast decides for every request while all are stale or full
         matched = np.array([by_id[w].indexed(request.blocks) for w in self.table.ids], dtype=float)
         priority = Priority.BATCH if request.priority == "batch" else Priority.INTERACTIVE
         max_tokens = request.max_tokens or self.policy.expected_output_tokens
@@ -132,6 +129,8 @@ class SluiceRouter:
         self.decision_s += time.perf_counter() - t0
         self.decisions += 1
         if decision.worker_id is None:
+            if refused_by_all(self.table, now, self.policy):  # it would hold any request until a change
+                self._refused_at = (now, self._changes)
             return None
         self.table.add_in_flight(decision.worker_id, decision.blocks_needed)
         self._changes += 1
