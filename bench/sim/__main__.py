@@ -36,6 +36,7 @@ from bench.sim.fleet import Outcome, Scaler, simulate
 from bench.sim.metrics import Summary, summarize, violation_minutes
 from bench.sim.routers import LORA_ROUTERS, ROUTERS, TUNABLE, make_router
 from bench.sim.scalers import (
+    DynamoAggPlannerScaler,
     DynamoPlannerScaler,
     KedaScaler,
     LlmdWvaScaler,
@@ -277,7 +278,7 @@ def lora(args: argparse.Namespace) -> None:
                 run_table(title, runs, pool, LORA_HEADER, row)
 
 
-SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "llm-d-wva")
+SCALERS = ("sluice", "keda", "reactive", "dynamo-planner", "dynamo-planner-agg", "llm-d-wva")
 SCALING_HEADER = (
     "| scaler | setting | SLO-violation minutes | GPU-hours | p90 TTFT s | p99 TTFT s | peak replicas "
     "| unfinished |"
@@ -315,6 +316,8 @@ def make_scaler(run: ScalingRun) -> Scaler:
             1, 64, run.capacity, expected_ttft_s=expected, interval_s=run.setting,
             correction=run.variant != "no correction",
         )  # fmt: skip
+    if run.scaler == "dynamo-planner-agg":
+        return DynamoAggPlannerScaler(1, 64, itl_s=run.setting / 1000)
     if run.scaler == "llm-d-wva":
         return LlmdWvaScaler(1, 64, every_s=run.setting)
     raise ValueError(run.scaler)
@@ -349,6 +352,7 @@ def scaling_settings(args: argparse.Namespace) -> list[tuple[str, str, float, st
             for i in args.planner_intervals
             for p in args.planner_capacities
         ],
+        *[("dynamo-planner-agg", f"load-based, ITL target {t:g} ms", t, "", c) for t in args.agg_itl_targets],
         *[("llm-d-wva", f"every {e:g} s", float(e), "", c) for e in args.wva_intervals],
     ]
     return [row for row in settings if row[0] in args.scalers]
@@ -554,6 +558,10 @@ def main() -> None:
     parser.add_argument(
         "--planner-variants", nargs="+", choices=["corrected", "no correction"],
         default=["corrected", "no correction"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--agg-itl-targets", type=float, nargs="+", default=[50.0, 30.0],
+        help="Dynamo's aggregated planner: ITL targets in ms (its TTFT target stays 500 ms)",
     )  # fmt: skip
     parser.add_argument("--wva-intervals", type=float, nargs="+", default=[60.0, 30.0])
     parser.add_argument(

@@ -52,6 +52,8 @@ class FleetState:
     # The consumer group's lag: the dispatcher commits a partition up to its oldest record not yet
     # placed, so every request that arrived since the oldest held one is lag (one partition: the most).
     lag: int = 0
+    # Each replica's last finished request: (prompt tokens, TTFT s, mean ITL s), as a router's metrics show.
+    last_done: dict[int, tuple[int, float, float]] = field(default_factory=dict)
 
 
 class SimHold:
@@ -63,18 +65,34 @@ class SimHold:
         self._classes: dict[str, deque[Request]] = {"interactive": deque(), "batch": deque()}
         self._order: FairQueue[Request] = FairQueue()
         self._count = {"interactive": 0, "batch": 0}
+        self.prompt_tokens = 0  # of every held request, kept as requests come and go
+        self._arrivals: list[tuple[float, int]] = []  # heap of (arrival, entry) of requests held
+        self._entries: dict[int, int] = {}  # a held request's entry in that heap, by request id
+        self._gone: set[int] = set()  # entries of requests no longer held, still in the heap
+        self._next_entry = itertools.count()
 
     def __len__(self) -> int:
         return self._count["interactive"] + self._count["batch"]
-
-    def requests(self) -> Iterator[Request]:
-        return self._order.ordered() if self.fair else itertools.chain(*self._classes.values())
 
     def blocks(self, request: Request) -> bool:
         """Whether something held goes before the new request (it then waits its turn in the hold)."""
         return bool(self._count["interactive"] or (request.priority == "batch" and self._count["batch"]))
 
+    def oldest_arrival(self) -> float:
+        """The arrival time of the longest-held request (inf with none held)."""
+        while self._arrivals and self._arrivals[0][1] in self._gone:
+            self._gone.discard(heapq.heappop(self._arrivals)[1])
+        return self._arrivals[0][0] if self._arrivals else math.inf
+
+    def _left(self, request: Request) -> None:
+        self._count[request.priority] -= 1
+        self.prompt_tokens -= request.prompt_tokens
+        self._gone.add(self._entries.pop(request.rid))
+
     def add(self, request: Request) -> None:
+        self.prompt_tokens += request.prompt_tokens
+        entry = self._entries[request.rid] = next(self._next_entry)
+        heapq.heappush(self._arrivals, (request.arrival, entry))
         self._count[request.priority] += 1
         if self.fair:
             self._order.add(request, request.band, str(request.tenant))
@@ -98,7 +116,7 @@ class SimHold:
             for request in placed:
                 self._order.remove(request, request.band, str(request.tenant))
                 self._order.charge(str(request.tenant), request.prompt_tokens + request.max_tokens)
-                self._count[request.priority] -= 1
+                self._left(request)
             return
         for priority in ("interactive", "batch"):
             queue = self._classes[priority]
@@ -107,7 +125,7 @@ class SimHold:
                 request = queue.popleft()
                 if place(request):
                     misses = 0
-                    self._count[priority] -= 1
+                    self._left(request)
                 else:
                     failed.append(request)
                     misses += 1
@@ -179,6 +197,7 @@ class Fleet:
         self.hold_peak = 0
         self._completions: dict[int, CompletionRate] = {}  # what the scaler reads, by replica
         self._ttft_sum, self._ttft_count = 0.0, 0
+        self._last_done: dict[int, tuple[int, float, float]] = {}
         self._arrival_times: list[float] = []
 
     # heap
@@ -233,6 +252,12 @@ class Fleet:
                     self.stats.add(request)
                     self._ttft_sum += request.first_token - request.arrival
                     self._ttft_count += 1
+                    itl = (request.done - request.first_token) / max(1, request.output_tokens - 1)
+                    self._last_done[replica.index] = (
+                        request.prompt_tokens,
+                        request.first_token - request.arrival,
+                        itl,
+                    )
                     if self.sink is not None:
                         self.sink.append(request)
                     self._completions.setdefault(replica.index, CompletionRate()).record(t)
@@ -309,15 +334,16 @@ class Fleet:
         draining = sum(1 for r in self.live if r.draining)
         held = len(self.hold)
         backlog = held + sum(r.queue for r in ready)
-        prefill = sum(r.prompt_tokens for r in self.hold.requests()) + sum(r.prefill_tokens() for r in ready)
+        prefill = self.hold.prompt_tokens + sum(r.prefill_tokens() for r in ready)
         ttft = self._ttft_sum / self._ttft_count if self._ttft_count else math.nan
         self._ttft_sum, self._ttft_count = 0.0, 0
         lag = 0
         if held:
-            oldest = min(r.arrival for r in self.hold.requests())
+            oldest = self.hold.oldest_arrival()
             lag = self.arrived - bisect.bisect_left(self._arrival_times, oldest)
         state = FleetState(
-            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, lag
+            t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, lag,
+            self._last_done,
         )  # fmt: skip
         target = self.scaler.target(state)
         current = len(ready) + self.starting

@@ -25,13 +25,19 @@
   profiled to meet the SLO): the correction can only lower the count (0.8.1; 1.0.1 turns corrections
   off by default: `correction=False`). The count is set directly, up or down by any number at once.
   The sim's replicas serve prefill and decode together, so the profile is one rate per replica rather
-  than a prefill and a decode count. Its users set TTFT and ITL targets (defaults 500 ms and 50 ms) and
-  its profiler measures the throughput per GPU that meets them, so that rate is the knob swept: on this
-  replica model (decode step 15 ms + 0.15 ms per sequence, 350 uncached prompt tokens and 250 output
-  tokens a request) the 64 slots bind before a 50 ms ITL does, at about 8 requests/s; ITL targets of
-  about 20.5 and 18.6 ms give 6 and 4.5. Not modelled: the decode-side correction (0.8.1 divides the
-  ITL target by observed / profiled ITL, which can raise the count), demand counted in prompt and
-  output tokens rather than requests, and its load-based mode (off by default).
+  than a prefill and a decode count: 0.8.1's throughput planner scales disaggregated pools only, and
+  1.0.1 refuses throughput scaling for an aggregated pool (see `dynamo-planner-agg`), so this row is
+  the throughput rule carried over to aggregated replicas. Its users set TTFT and ITL targets (defaults
+  500 ms and 50 ms) and its profiler measures the throughput per GPU that meets them, so that rate is
+  the knob swept: on this replica model (decode step 15 ms + 0.15 ms per sequence, 350 uncached prompt
+  tokens and 250 output tokens a request) the 64 slots bind before a 50 ms ITL does, at about 8
+  requests/s; ITL targets of about 20.5 and 18.6 ms give 6 and 4.5. Not modelled: the decode-side
+  correction (0.8.1 divides the ITL target by observed / profiled ITL, which can raise the count),
+  demand counted in prompt and output tokens rather than requests, and its load-based mode (off by
+  default for disaggregated pools).
+- `dynamo-planner-agg`: Dynamo 1.0.1's planner for an aggregated pool, load-based (its only mode there):
+  one replica more or fewer every 5 s from linear fits of TTFT and ITL against each replica's load,
+  and no decision while a replica starts (`DynamoAggPlannerScaler` gives the sources).
 - `llm-d-wva`: llm-d's workload-variant-autoscaler, saturation mode. Sources:
   llm-d-incubation/workload-variant-autoscaler `docs/saturation-analyzer.md` and
   `internal/saturation/analyzer.go` (HEAD of 2026-02). Every 60 s (`GLOBAL_OPT_INTERVAL`) it reads each
@@ -238,6 +244,141 @@ class DynamoPlannerScaler:
         if self.correction and not math.isnan(state.ttft_mean):
             factor = min(1.0, state.ttft_mean / self.expected_ttft_s)
         return max(self.min, min(self.max, math.ceil(predicted * factor / self.capacity)))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLoad:
+    """One replica's figures in one sample of Dynamo's router metrics (the agg planner's input)."""
+
+    prefill_tokens: float  # active prefill tokens: routed here, prefill not finished
+    decode_blocks: float  # active decode blocks: prompt blocks of the sequences decoding here
+    isl: float = 0.0  # the last finished request's prompt tokens (0: none yet)
+    ttft_s: float = 0.0  # its time to first token
+    itl_s: float = 0.0  # its mean inter-token latency
+
+
+def sla_load(points: list[tuple[float, float]], target: float, min_points: int = 5) -> float | None:
+    """The load x at which a least-squares line through (x, latency) points reaches `target`, as
+    Dynamo's `LoadBasedRegressionModel.predict_x_from_sla` solves it: None under `min_points`; with a
+    slope not above 0, the smallest x observed under the target (the smallest x of all when none is)."""
+    if len(points) < min_points:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        below = [x for x, y in points if y < target]
+        return max(0.0, min(below) if below else min(x for x, _ in points))
+    return max(0.0, (target - (my - slope * mx)) / slope)
+
+
+def agg_planner_step(
+    current: int,
+    recent: list[WorkerLoad],
+    prefill_sla_load: float | None,
+    mean_isl: float,
+    decode_sla_load: float | None,
+    down_sensitivity: float = 0.8,
+) -> int:
+    """Dynamo's aggregated planner decision from the latest sample of each ready replica: one more when
+    every replica is past either target, one fewer when every replica is under both scale-down
+    boundaries (the target x (n - 1) / n x sensitivity), else no change. A target it cannot compute
+    (too few observations, or an SLA not reachable at the mean prompt) leaves that side undecided."""
+    n = len(recent)
+    if not n:
+        return current
+    sides: list[str | None] = []
+    prefill_target = None if prefill_sla_load is None else prefill_sla_load - mean_isl
+    for target, load in (
+        (prefill_target, [w.prefill_tokens for w in recent]),
+        (decode_sla_load, [w.decode_blocks for w in recent]),
+    ):
+        if target is None or target <= 0:
+            sides.append(None)
+        elif all(x > target for x in load):
+            sides.append("up")
+        elif n > 1 and all(x < target * (n - 1) / n * down_sensitivity for x in load):
+            sides.append("down")
+        else:
+            sides.append(None)
+    if "up" in sides:
+        return current + 1
+    if sides == ["down", "down"]:
+        return current - 1
+    return current
+
+
+def averaged(loads: list[WorkerLoad]) -> WorkerLoad:
+    """A replica's figures averaged over the samples it appears in (the planner's per-worker average)."""
+    names = [f.name for f in dataclasses.fields(WorkerLoad)]
+    return WorkerLoad(*(statistics.fmean(getattr(w, name) for w in loads) for name in names))
+
+
+class DynamoAggPlannerScaler:
+    """Dynamo's planner for an aggregated pool (`mode: agg`), whose only mode is load-based. Sources:
+    ai-dynamo/dynamo `components/src/dynamo/planner` at 1.0.1 (`utils/agg_planner.py`,
+    `utils/load_based_regression.py`, `utils/prometheus.py`, `defaults.py`, `kubernetes_connector.py`).
+    Every `load_adjustment_interval` (5 s) it reads the router's per-worker metrics, sampled 10 times an
+    interval (`load_metric_samples`, the last 10 kept); each replica's averages over those samples add
+    one observation to two sliding linear fits of 50 points (`load_learning_window`; 5 before the first
+    decision): TTFT against active prefill tokens + the last prompt, and ITL against active decode
+    blocks. The TTFT target (500 ms) and ITL target (50 ms) read back through the fits give the load a
+    replica may carry, and `agg_planner_step` moves the count by one (scale-down sensitivity 80%).
+    `set_component_replicas(blocking=True)` waits for the deployment to be ready, so no decision is
+    taken while a replica starts. The metrics here come from the replicas themselves, exact at each
+    sample; active decode blocks count the prompt blocks of decoding sequences
+    (`router_track_output_blocks` is off by default)."""
+
+    name = "dynamo-planner-agg"
+
+    def __init__(
+        self,
+        min_replicas: int,
+        max_replicas: int,
+        ttft_s: float = 0.5,
+        itl_s: float = 0.05,
+        every_s: float = 5.0,
+        samples: int = 10,
+        window: int = 50,
+        min_points: int = 5,
+    ) -> None:
+        self.min, self.max = min_replicas, max_replicas
+        self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.samples = samples
+        self.interval_s = every_s / samples
+        self.buffer: deque[dict[int, WorkerLoad]] = deque(maxlen=samples)
+        self.ttft_points: deque[tuple[float, float]] = deque(maxlen=window)
+        self.itl_points: deque[tuple[float, float]] = deque(maxlen=window)
+        self.min_points = min_points
+        self._ticks = 0
+
+    def target(self, state: FleetState) -> int:
+        current = len(state.ready) + state.starting
+        sample: dict[int, WorkerLoad] = {}
+        for r in state.ready:
+            isl, ttft, itl = state.last_done.get(r.index, (0, 0.0, 0.0))
+            sample[r.index] = WorkerLoad(float(r.prefill_tokens()), float(r.running_blocks), isl, ttft, itl)
+        self.buffer.append(sample)
+        self._ticks += 1
+        if self._ticks % self.samples or state.starting:
+            return current
+        for index in sample:
+            mean = averaged([s[index] for s in self.buffer if index in s])
+            if mean.ttft_s > 0 and mean.isl > 0:
+                self.ttft_points.append((mean.prefill_tokens + mean.isl, mean.ttft_s))
+            if mean.itl_s > 0 and mean.decode_blocks > 0:
+                self.itl_points.append((mean.decode_blocks, mean.itl_s))
+        isls = [w.isl for s in self.buffer for w in s.values()]
+        step = agg_planner_step(
+            current,
+            list(sample.values()),
+            sla_load(list(self.ttft_points), self.ttft_s, self.min_points),
+            statistics.fmean(isls) if isls else 0.0,
+            sla_load(list(self.itl_points), self.itl_s, self.min_points),
+        )
+        return max(self.min, min(self.max, step))
 
 
 class LlmdWvaScaler:

@@ -13,7 +13,7 @@ import pytest
 from bench.sim.__main__ import line_style, scaling_points
 from bench.sim.disagg import SplitFleet, SplitResult, SplitRun, spread
 from bench.sim.engine import Replica, Request, Seq, TimingModel, leading_cached
-from bench.sim.fleet import Fleet, FleetState, simulate
+from bench.sim.fleet import Fleet, FleetState, SimHold, simulate
 from bench.sim.metrics import Sketch, Stats, percentile, summarize, violation_minutes
 from bench.sim.routers import (
     ROUTERS,
@@ -25,10 +25,14 @@ from bench.sim.routers import (
 )
 from bench.sim.scalers import (
     ArimaPredictor,
+    DynamoAggPlannerScaler,
     DynamoPlannerScaler,
     KedaScaler,
     LlmdWvaScaler,
     ReactiveScaler,
+    WorkerLoad,
+    agg_planner_step,
+    sla_load,
     wva_decision,
 )
 from bench.sim.views import Snapshot
@@ -46,6 +50,38 @@ def run_alone(replica: Replica, r: Request) -> None:
     replica.place(r, r.arrival)
     while math.isnan(r.done):
         replica.process(replica.next_event())
+
+
+def _place_if_chosen(chosen: set[int], placed: list[int], q: Request) -> bool:
+    if q.rid in chosen:
+        placed.append(q.rid)
+    return q.rid in chosen
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_the_holds_running_prompt_tokens_and_oldest_arrival_equal_a_count_of_it(fair: bool) -> None:
+    rng = random.Random(5)
+    hold = SimHold(fair=fair)
+    held: dict[int, Request] = {}
+    assert hold.oldest_arrival() == math.inf
+    rid = 0
+    for _ in range(40):
+        for _ in range(rng.randrange(0, 6)):
+            rid += 1
+            r = request(rid, f"t{rid % 4}", rng.randrange(1, 9), 5, at=rng.uniform(0, 100))
+            r.priority = rng.choice(["interactive", "batch"])
+            r.tenant = rid % 4
+            hold.add(r)
+            held[r.rid] = r
+        chosen = {q.rid for q in held.values() if rng.random() < 0.3}
+        placed: list[int] = []
+        place = functools.partial(_place_if_chosen, chosen, placed)
+        hold.retry(place, max_misses=rng.randrange(1, 5))  # stops after that many failures in a row
+        for placed_rid in placed:
+            del held[placed_rid]
+        assert len(hold) == len(held)
+        assert hold.prompt_tokens == sum(q.prompt_tokens for q in held.values())
+        assert hold.oldest_arrival() == min((q.arrival for q in held.values()), default=math.inf)
 
 
 def test_bisected_match_equals_the_linear_one_under_eviction() -> None:
@@ -420,6 +456,58 @@ def test_llmd_wva_adds_one_replica_when_spare_capacity_is_short_and_removes_one_
     idle = [Replica(i, MODEL) for i in range(3)]
     assert scaler.target(fleet_state(now=0.0, ready=idle)) == 2
     assert scaler.target(fleet_state(now=30.0, ready=idle)) == 3  # between decisions: as it is
+
+
+def test_the_agg_planners_fit_reads_the_load_at_the_sla_back_and_falls_back_on_a_flat_slope() -> None:
+    line = [(float(x), 0.01 + 0.001 * x) for x in range(0, 50, 10)]  # ITL 10 ms + 1 ms per 1,000 blocks
+    assert sla_load(line[:4], 0.05) is None  # fewer than 5 observations: no decision yet
+    assert sla_load(line, 0.05) == pytest.approx(40.0)
+    assert sla_load(line, 0.005) == 0.0  # under the intercept: clamped at no load
+    flat = [(10.0, 0.02), (20.0, 0.02), (30.0, 0.06), (40.0, 0.02), (50.0, 0.01)]
+    assert sla_load(flat, 0.05) == 10.0  # slope <= 0: the smallest load observed under the target
+    assert sla_load([(5.0, 0.1)] * 5, 0.05) == 5.0  # none under it: the smallest load observed
+
+
+def test_the_agg_planner_adds_when_every_replica_is_past_either_target_and_removes_only_under_both() -> None:
+    def loads(*pairs: tuple[float, float]) -> list[WorkerLoad]:
+        return [WorkerLoad(p, d) for p, d in pairs]
+
+    # Prefill target: 3,000 tokens at the SLA less a mean prompt of 1,000; decode target 400 blocks.
+    assert agg_planner_step(2, loads((2500, 10), (2100, 10)), 3000, 1000, 400) == 3  # prefill side
+    assert agg_planner_step(2, loads((0, 500), (0, 450)), 3000, 1000, 400) == 3  # decode side
+    assert agg_planner_step(2, loads((2500, 10), (100, 10)), 3000, 1000, 400) == 2  # not every replica
+    # Down only when every replica is under both boundaries: target x (n - 1) / n x 0.8.
+    assert agg_planner_step(2, loads((700, 150), (100, 10)), 3000, 1000, 400) == 1
+    assert agg_planner_step(2, loads((700, 170), (100, 10)), 3000, 1000, 400) == 2  # 170 > 160
+    assert agg_planner_step(1, loads((0, 0)), 3000, 1000, 400) == 1  # one replica never goes
+    # A side without a target (cold start, or an SLA out of reach at the mean prompt) cannot scale down.
+    assert agg_planner_step(2, loads((0, 0), (0, 0)), None, 1000, 400) == 2
+    assert agg_planner_step(2, loads((0, 500), (0, 500)), 900, 1000, 400) == 3
+    assert agg_planner_step(2, loads((0, 0), (0, 0)), 900, 1000, 400) == 2
+
+
+def test_the_agg_planner_decides_every_ten_samples_and_never_while_a_replica_starts() -> None:
+    planner = DynamoAggPlannerScaler(1, 10, min_points=1)
+    assert planner.interval_s == 0.5
+    busy = [loaded(i, 6) for i in range(2)]
+    done = {i: (1_000, 2.0, 0.2) for i in range(2)}  # last request: 1,000-token prompt, TTFT 2 s, ITL 0.2 s
+    for k in range(9):
+        assert planner.target(fleet_state(now=0.5 * k, ready=busy, last_done=done)) == 2
+    assert planner.target(fleet_state(now=4.5, ready=busy, last_done=done, starting=1)) == 3  # blocked
+    assert len(planner.ttft_points) == 0
+    # Earlier observations put the 500 ms TTFT at 3,000 tokens (prefill + prompt), 2,000 past a 1,000-token
+    # prompt; each replica has 6,784 prefill tokens (a 400-block prompt and six of 4 blocks): past it.
+    planner.ttft_points.extend([(1500.0, 0.25), (3000.0, 0.5), (6000.0, 1.0)])
+    assert [r.prefill_tokens() for r in busy] == [6784, 6784]
+    for k in range(10, 19):
+        planner.target(fleet_state(now=0.5 * k, ready=busy, last_done=done))
+    assert planner.target(fleet_state(now=9.5, ready=busy, last_done=done)) == 3
+    assert list(planner.ttft_points)[-2:] == [(7784.0, 2.0), (7784.0, 2.0)]  # each replica's averages
+    assert not planner.itl_points  # no sequence decodes yet: no decode observation
+    idle = [Replica(i, MODEL) for i in range(2)]
+    for k in range(20, 30):
+        last = planner.target(fleet_state(now=0.5 * k, ready=idle, last_done=done))
+    assert last == 2  # idle on the prefill side, but the decode side has no fit yet: no scale-down
 
 
 def loaded(index: int, waiting: int, model: TimingModel = MODEL) -> Replica:
