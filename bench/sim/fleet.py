@@ -52,8 +52,10 @@ class FleetState:
     # The consumer group's lag: the dispatcher commits a partition up to its oldest record not yet
     # placed, so every request that arrived since the oldest held one is lag (one partition: the most).
     lag: int = 0
-    # Each replica's last finished request: (prompt tokens, TTFT s, mean ITL s), as a router's metrics show.
-    last_done: dict[int, tuple[int, float, float]] = field(default_factory=dict)
+    # What a router's per-worker gauges show: the last request to reach its first token on each replica
+    # (prompt tokens, TTFT s), and the mean ITL of the last one to finish there.
+    first_tokens: dict[int, tuple[int, float]] = field(default_factory=dict)
+    itls: dict[int, float] = field(default_factory=dict)
 
 
 class SimHold:
@@ -197,7 +199,8 @@ class Fleet:
         self.hold_peak = 0
         self._completions: dict[int, CompletionRate] = {}  # what the scaler reads, by replica
         self._ttft_sum, self._ttft_count = 0.0, 0
-        self._last_done: dict[int, tuple[int, float, float]] = {}
+        self._first_tokens: dict[int, tuple[int, float]] = {}
+        self._itls: dict[int, float] = {}
         self._arrival_times: list[float] = []
 
     # heap
@@ -241,9 +244,13 @@ class Fleet:
                     continue
                 finished = replica.process(t)
                 started = getattr(self.router, "first_token", None)
-                if started is not None:
-                    for request in replica.started:
+                for request in replica.started:
+                    if started is not None:
                         started(request, t)
+                    self._first_tokens[replica.index] = (
+                        request.prompt_tokens,
+                        request.first_token - request.arrival,
+                    )
                 replica.started.clear()
                 ended = getattr(self.router, "finished", None)
                 for request in finished:
@@ -252,11 +259,8 @@ class Fleet:
                     self.stats.add(request)
                     self._ttft_sum += request.first_token - request.arrival
                     self._ttft_count += 1
-                    itl = (request.done - request.first_token) / max(1, request.output_tokens - 1)
-                    self._last_done[replica.index] = (
-                        request.prompt_tokens,
-                        request.first_token - request.arrival,
-                        itl,
+                    self._itls[replica.index] = (request.done - request.first_token) / max(
+                        1, request.output_tokens - 1
                     )
                     if self.sink is not None:
                         self.sink.append(request)
@@ -343,7 +347,7 @@ class Fleet:
             lag = self.arrived - bisect.bisect_left(self._arrival_times, oldest)
         state = FleetState(
             t, self.arrived, backlog, ready, self.starting, draining, recent, prefill, ttft, held, lag,
-            self._last_done,
+            self._first_tokens, self._itls,
         )  # fmt: skip
         target = self.scaler.target(state)
         current = len(ready) + self.starting

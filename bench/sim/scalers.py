@@ -248,13 +248,14 @@ class DynamoPlannerScaler:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerLoad:
-    """One replica's figures in one sample of Dynamo's router metrics (the agg planner's input)."""
+    """One replica's figures in one sample of Dynamo's router metrics (the agg planner's input). A
+    latency gauge is None until the router has set it for that worker."""
 
-    prefill_tokens: float  # active prefill tokens: routed here, prefill not finished
-    decode_blocks: float  # active decode blocks: prompt blocks of the sequences decoding here
-    isl: float = 0.0  # the last finished request's prompt tokens (0: none yet)
-    ttft_s: float = 0.0  # its time to first token
-    itl_s: float = 0.0  # its mean inter-token latency
+    prefill_tokens: float  # active prefill tokens (see DynamoAggPlannerScaler)
+    decode_blocks: float  # active decode blocks (see DynamoAggPlannerScaler)
+    isl: float | None = None  # the last request to reach its first token here: its prompt tokens
+    ttft_s: float | None = None  # and its time to first token
+    itl_s: float | None = None  # the mean inter-token latency of the last request to finish here
 
 
 def sla_load(points: list[tuple[float, float]], target: float, min_points: int = 5) -> float | None:
@@ -311,25 +312,50 @@ def agg_planner_step(
 
 
 def averaged(loads: list[WorkerLoad]) -> WorkerLoad:
-    """A replica's figures averaged over the samples it appears in (the planner's per-worker average)."""
-    names = [f.name for f in dataclasses.fields(WorkerLoad)]
-    return WorkerLoad(*(statistics.fmean(getattr(w, name) for w in loads) for name in names))
+    """A replica's figures averaged over the samples it appears in, each gauge over the samples that
+    have it (the planner's per-worker average)."""
+
+    def mean(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.fmean(present) if present else None
+
+    return WorkerLoad(
+        statistics.fmean(w.prefill_tokens for w in loads),
+        statistics.fmean(w.decode_blocks for w in loads),
+        mean([w.isl for w in loads]),
+        mean([w.ttft_s for w in loads]),
+        mean([w.itl_s for w in loads]),
+    )
 
 
 class DynamoAggPlannerScaler:
     """Dynamo's planner for an aggregated pool (`mode: agg`), whose only mode is load-based. Sources:
     ai-dynamo/dynamo `components/src/dynamo/planner` at 1.0.1 (`utils/agg_planner.py`,
-    `utils/load_based_regression.py`, `utils/prometheus.py`, `defaults.py`, `kubernetes_connector.py`).
-    Every `load_adjustment_interval` (5 s) it reads the router's per-worker metrics, sampled 10 times an
-    interval (`load_metric_samples`, the last 10 kept); each replica's averages over those samples add
-    one observation to two sliding linear fits of 50 points (`load_learning_window`; 5 before the first
-    decision): TTFT against active prefill tokens + the last prompt, and ITL against active decode
-    blocks. The TTFT target (500 ms) and ITL target (50 ms) read back through the fits give the load a
-    replica may carry, and `agg_planner_step` moves the count by one (scale-down sensitivity 80%).
-    `set_component_replicas(blocking=True)` waits for the deployment to be ready, so no decision is
-    taken while a replica starts. The metrics here come from the replicas themselves, exact at each
-    sample; active decode blocks count the prompt blocks of decoding sequences
-    (`router_track_output_blocks` is off by default)."""
+    `utils/load_based_regression.py`, `utils/prometheus.py`, `defaults.py`, `kube.py`,
+    `kubernetes_connector.py`).
+
+    The router's per-worker metrics are sampled 10 times per `load_adjustment_interval` (5 s), the
+    last 10 kept. Every interval each replica's averages add one observation to two sliding linear fits
+    of 50 points (`load_learning_window`; 5 before the first decision): TTFT against active prefill
+    tokens + the last prompt, and ITL against active decode blocks. The TTFT target (500 ms) and ITL
+    target (50 ms) read back through the fits give the load a replica may carry, and `agg_planner_step`
+    moves the count by one (scale-down sensitivity 80%). A change is applied with `blocking=True`: the
+    planner then checks every 10 s whether the deployment is ready (a replica started counts once it
+    is), and its loop sleeps 5 s before the next decision. There is no replica cap here beyond the
+    shared 64 (upstream's is `max_gpu_budget`, 8 GPUs by default).
+
+    How the simulated figures stand for the router's:
+    - TTFT and prompt length are set when a request's first token comes, ITL when it finishes (the
+      router updates ITL as tokens stream);
+    - active prefill tokens are the replica's prompt tokens not yet prefilled (a waiting request's whole
+      prompt, where Dynamo's router counts the tokens its index did not match at routing: more than
+      the router counts on a busy replica, as in the `dynamo` router here) plus an even share of the
+      prompt tokens the fleet holds (the scaling runs use sluice's dispatcher, which holds what the
+      replicas cannot queue; Dynamo's frontend would have routed them at once);
+    - active decode blocks are the prompt blocks of the sequences decoding (Dynamo's router counts
+      every routed request's prompt blocks, shared ones once): fewer than the router counts, so this
+      side asks for replicas later. At 64 sequences a step takes about 25 ms, so the 50 ms target
+      rarely binds."""
 
     name = "dynamo-planner-agg"
 
@@ -343,42 +369,68 @@ class DynamoAggPlannerScaler:
         samples: int = 10,
         window: int = 50,
         min_points: int = 5,
+        poll_s: float = 10.0,
     ) -> None:
         self.min, self.max = min_replicas, max_replicas
         self.ttft_s, self.itl_s = ttft_s, itl_s
-        self.samples = samples
+        self.every_s, self.samples, self.poll_s = every_s, samples, poll_s
         self.interval_s = every_s / samples
         self.buffer: deque[dict[int, WorkerLoad]] = deque(maxlen=samples)
         self.ttft_points: deque[tuple[float, float]] = deque(maxlen=window)
         self.itl_points: deque[tuple[float, float]] = deque(maxlen=window)
         self.min_points = min_points
-        self._ticks = 0
+        self.decide_at = every_s - self.interval_s / 2  # the loop's first wake, as a tick sees it
+        self.poll_at: float | None = None  # while it waits for the deployment to be ready
 
     def target(self, state: FleetState) -> int:
         current = len(state.ready) + state.starting
+        held = state.prefill_tokens - sum(r.prefill_tokens() for r in state.ready)
+        held_share = max(0, held) / max(1, len(state.ready))
         sample: dict[int, WorkerLoad] = {}
         for r in state.ready:
-            isl, ttft, itl = state.last_done.get(r.index, (0, 0.0, 0.0))
-            sample[r.index] = WorkerLoad(float(r.prefill_tokens()), float(r.running_blocks), isl, ttft, itl)
+            first = state.first_tokens.get(r.index)
+            sample[r.index] = WorkerLoad(
+                r.prefill_tokens() + held_share,
+                float(r.running_blocks),
+                None if first is None else float(first[0]),
+                None if first is None else first[1],
+                state.itls.get(r.index),
+            )
         self.buffer.append(sample)
-        self._ticks += 1
-        if self._ticks % self.samples or state.starting:
+        if self.poll_at is not None:
+            while self.poll_at <= state.now:
+                if state.starting:
+                    self.poll_at += self.poll_s
+                    continue
+                self.decide_at, self.poll_at = self.poll_at + self.every_s, None
+                break
             return current
+        if state.now < self.decide_at:
+            return current
+        self.decide_at += self.every_s
         for index in sample:
             mean = averaged([s[index] for s in self.buffer if index in s])
-            if mean.ttft_s > 0 and mean.isl > 0:
+            if mean.ttft_s and mean.isl:
                 self.ttft_points.append((mean.prefill_tokens + mean.isl, mean.ttft_s))
-            if mean.itl_s > 0 and mean.decode_blocks > 0:
+            if mean.itl_s and mean.decode_blocks > 0:
                 self.itl_points.append((mean.decode_blocks, mean.itl_s))
-        isls = [w.isl for s in self.buffer for w in s.values()]
-        step = agg_planner_step(
-            current,
-            list(sample.values()),
-            sla_load(list(self.ttft_points), self.ttft_s, self.min_points),
-            statistics.fmean(isls) if isls else 0.0,
-            sla_load(list(self.itl_points), self.itl_s, self.min_points),
+        isls = [w.isl for s in self.buffer for w in s.values() if w.isl is not None]
+        wanted = max(
+            self.min,
+            min(
+                self.max,
+                agg_planner_step(
+                    current,
+                    list(sample.values()),
+                    sla_load(list(self.ttft_points), self.ttft_s, self.min_points),
+                    statistics.fmean(isls) if isls else 0.0,
+                    sla_load(list(self.itl_points), self.itl_s, self.min_points),
+                ),
+            ),
         )
-        return max(self.min, min(self.max, step))
+        if wanted != current:
+            self.poll_at = state.now + self.poll_s
+        return wanted
 
 
 class LlmdWvaScaler:

@@ -486,28 +486,48 @@ def test_the_agg_planner_adds_when_every_replica_is_past_either_target_and_remov
     assert agg_planner_step(2, loads((0, 0), (0, 0)), 900, 1000, 400) == 2
 
 
-def test_the_agg_planner_decides_every_ten_samples_and_never_while_a_replica_starts() -> None:
-    planner = DynamoAggPlannerScaler(1, 10, min_points=1)
+def test_the_agg_planner_decides_every_5_s_and_waits_for_the_deployment_after_a_change() -> None:
+    planner = DynamoAggPlannerScaler(1, 10)
     assert planner.interval_s == 0.5
     busy = [loaded(i, 6) for i in range(2)]
-    done = {i: (1_000, 2.0, 0.2) for i in range(2)}  # last request: 1,000-token prompt, TTFT 2 s, ITL 0.2 s
-    for k in range(9):
-        assert planner.target(fleet_state(now=0.5 * k, ready=busy, last_done=done)) == 2
-    assert planner.target(fleet_state(now=4.5, ready=busy, last_done=done, starting=1)) == 3  # blocked
-    assert len(planner.ttft_points) == 0
-    # Earlier observations put the 500 ms TTFT at 3,000 tokens (prefill + prompt), 2,000 past a 1,000-token
-    # prompt; each replica has 6,784 prefill tokens (a 400-block prompt and six of 4 blocks): past it.
-    planner.ttft_points.extend([(1500.0, 0.25), (3000.0, 0.5), (6000.0, 1.0)])
-    assert [r.prefill_tokens() for r in busy] == [6784, 6784]
-    for k in range(10, 19):
-        planner.target(fleet_state(now=0.5 * k, ready=busy, last_done=done))
-    assert planner.target(fleet_state(now=9.5, ready=busy, last_done=done)) == 3
+    assert [r.prefill_tokens() for r in busy] == [6784, 6784]  # a 400-block prompt and six of 4 blocks
+    first = {i: (1_000, 2.0) for i in range(2)}  # last first token: 1,000-token prompt, TTFT 2 s
+    # Earlier observations put the 500 ms TTFT at 3,000 tokens (prefill + prompt): 2,000 past the prompt.
+    planner.ttft_points.extend([(1500.0, 0.25), (3000.0, 0.5), (6000.0, 1.0), (4500.0, 0.75), (750.0, 0.1)])
+    load = 2 * 6784  # what the fleet reports: nothing held
+    for k in range(10):  # ten samples, 0.5 s apart, before the loop's first decision
+        state = fleet_state(now=0.5 * k, ready=busy, first_tokens=first, prefill_tokens=load)
+        assert planner.target(state) == 2
+    assert planner.target(fleet_state(now=5.0, ready=busy, first_tokens=first, prefill_tokens=load)) == 3
     assert list(planner.ttft_points)[-2:] == [(7784.0, 2.0), (7784.0, 2.0)]  # each replica's averages
-    assert not planner.itl_points  # no sequence decodes yet: no decode observation
+    assert not planner.itl_points  # no ITL gauge yet: no decode observation
+    # blocking=True: the deployment is polled every 10 s, and the loop sleeps 5 s after it is ready.
+    for k in range(11, 50):  # starting until 20 s, seen ready at the 25 s poll
+        starting = int(k < 40)
+        state = fleet_state(
+            now=0.5 * k, ready=busy, first_tokens=first, starting=starting, prefill_tokens=load
+        )
+        assert planner.target(state) == 2 + starting
+    assert planner.target(fleet_state(now=25.0, ready=busy, first_tokens=first, prefill_tokens=load)) == 2
+    assert planner.decide_at == 30.0
+    assert planner.target(fleet_state(now=27.5, ready=busy, first_tokens=first, prefill_tokens=load)) == 2
+    assert planner.target(fleet_state(now=30.0, ready=busy, first_tokens=first, prefill_tokens=load)) == 3
+
+
+def test_the_agg_planner_counts_held_prompts_and_averages_only_the_gauges_a_replica_has() -> None:
+    planner = DynamoAggPlannerScaler(1, 10)
+    planner.ttft_points.extend([(1500.0, 0.25), (3000.0, 0.5), (6000.0, 1.0), (4500.0, 0.75), (750.0, 0.1)])
     idle = [Replica(i, MODEL) for i in range(2)]
-    for k in range(20, 30):
-        last = planner.target(fleet_state(now=0.5 * k, ready=idle, last_done=done))
-    assert last == 2  # idle on the prefill side, but the decode side has no fit yet: no scale-down
+    # Only replica 0 has a first token: the mean prompt is its 1,000 tokens, not 500 with replica 1's
+    # missing gauge counted as 0, so the prefill target stays 2,000.
+    # With this point the fit reaches 500 ms at 3,239 tokens: a target of 2,239 past the mean prompt.
+    first = {0: (1_000, 0.3)}
+    held = fleet_state(now=5.0, ready=idle, first_tokens=first, prefill_tokens=4_600)
+    assert planner.target(held) == 3  # 4,600 held tokens: 2,300 a replica, both past the target
+    assert list(planner.ttft_points)[-1] == (3300.0, 0.3)  # replica 1 adds no TTFT point
+    fewer = DynamoAggPlannerScaler(1, 10)
+    fewer.ttft_points.extend(list(planner.ttft_points)[:-1])
+    assert fewer.target(fleet_state(now=5.0, ready=idle, first_tokens=first, prefill_tokens=4_200)) == 2
 
 
 def loaded(index: int, waiting: int, model: TimingModel = MODEL) -> Replica:
