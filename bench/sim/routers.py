@@ -283,8 +283,9 @@ class LlmdRouter(Stateless):
     `saturation_filter=True` adds the detector's per-endpoint filter (fail-open). `approximate_blocks`
     swaps the precise index for the approximate prefix-cache scorer: an LRU per endpoint of what was
     routed there, of that many blocks. `lora_weight` adds the lora-affinity-scorer (`lora_affinity`;
-    `scorer/loraaffinity/lora_affinity.go`); KServe adds it with weight 4 when a model declares adapters
-    (kserve/kserve #5655). Its adapter lists are the scraped ones plus its own placements since.
+    gateway-api-inference-extension v1.5.0
+    `pkg/epp/framework/plugins/scheduling/scorer/loraaffinity/lora_affinity.go`); KServe adds it with
+    weight 4 when a model declares adapters (kserve/kserve #5655). Its adapter lists are the scraped ones plus its own placements since.
     """
 
     name = "llm-d"
