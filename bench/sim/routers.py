@@ -285,7 +285,8 @@ class LlmdRouter(Stateless):
     routed there, of that many blocks. `lora_weight` adds the lora-affinity-scorer (`lora_affinity`;
     gateway-api-inference-extension v1.5.0
     `pkg/epp/framework/plugins/scheduling/scorer/loraaffinity/lora_affinity.go`); KServe adds it with
-    weight 4 when a model declares adapters (kserve/kserve #5655). Its adapter lists are the scraped ones plus its own placements since.
+    weight 4 when a model declares adapters (kserve/kserve #5655). Its adapter lists are the scraped
+    ones plus its own placements since.
     """
 
     name = "llm-d"
