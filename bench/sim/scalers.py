@@ -342,7 +342,9 @@ class DynamoAggPlannerScaler:
     moves the count by one (scale-down sensitivity 80%). A change is applied with `blocking=True`: the
     planner then checks every 10 s whether the deployment is ready (a replica started counts once it
     is), and its loop sleeps 5 s before the next decision. There is no replica cap here beyond the
-    shared 64 (upstream's is `max_gpu_budget`, 8 GPUs by default).
+    shared 64 (upstream's is `max_gpu_budget`, 8 GPUs by default). Not modelled: a replica retired in
+    the last 5 s adds no observation (upstream's averages include every worker in the sample buffer),
+    and the decision upstream skips when the deployment's ready count differs from the router's.
 
     How the simulated figures stand for the router's:
     - TTFT and prompt length are set when a request's first token comes, ITL when it finishes (the
@@ -352,9 +354,9 @@ class DynamoAggPlannerScaler:
       the router counts on a busy replica, as in the `dynamo` router here) plus an even share of the
       prompt tokens the fleet holds (the scaling runs use sluice's dispatcher, which holds what the
       replicas cannot queue; Dynamo's frontend would have routed them at once);
-    - active decode blocks are the prompt blocks of the sequences decoding (Dynamo's router counts
-      every routed request's prompt blocks, shared ones once): fewer than the router counts, so this
-      side asks for replicas later. At 64 sequences a step takes about 25 ms, so the 50 ms target
+    - active decode blocks are the uncached prompt blocks of the sequences decoding (Dynamo's router
+      counts every routed request's prompt blocks, shared ones once): fewer than the router counts, so
+      this side asks for replicas later. At 64 sequences a step takes about 25 ms, so the 50 ms target
       rarely binds."""
 
     name = "dynamo-planner-agg"
@@ -415,22 +417,16 @@ class DynamoAggPlannerScaler:
             if mean.itl_s and mean.decode_blocks > 0:
                 self.itl_points.append((mean.decode_blocks, mean.itl_s))
         isls = [w.isl for s in self.buffer for w in s.values() if w.isl is not None]
-        wanted = max(
-            self.min,
-            min(
-                self.max,
-                agg_planner_step(
-                    current,
-                    list(sample.values()),
-                    sla_load(list(self.ttft_points), self.ttft_s, self.min_points),
-                    statistics.fmean(isls) if isls else 0.0,
-                    sla_load(list(self.itl_points), self.itl_s, self.min_points),
-                ),
-            ),
+        step = agg_planner_step(
+            current,
+            list(sample.values()),
+            sla_load(list(self.ttft_points), self.ttft_s, self.min_points),
+            statistics.fmean(isls) if isls else 0.0,
+            sla_load(list(self.itl_points), self.itl_s, self.min_points),
         )
-        if wanted != current:
+        if step != current:  # it asks for the count, clamped or not, and waits for the deployment
             self.poll_at = state.now + self.poll_s
-        return wanted
+        return max(self.min, min(self.max, step))
 
 
 class LlmdWvaScaler:

@@ -3,6 +3,7 @@ states, and what sluice's own placement guarantees in a small fleet run."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import random
@@ -380,6 +381,52 @@ def test_the_hpa_never_raises_the_count_from_its_scale_down_window() -> None:
     assert keda.target(fleet_state(now=400.0, lag=0, starting=5)) == 1  # the window has passed
 
 
+def test_the_fleet_shows_scalers_each_replicas_last_first_token_and_last_itl() -> None:
+    seen: list[FleetState] = []
+
+    class Watch(FixedTarget):
+        interval_s = 0.5
+
+        def target(self, state: FleetState) -> int:
+            seen.append(
+                dataclasses.replace(state, first_tokens=dict(state.first_tokens), itls=dict(state.itls))
+            )
+            return self.wanted
+
+    fleet = Fleet(make_router("round-robin", 1), MODEL, 1, scaler=Watch(1), views="exact")
+    r = request(1, "p", 40, 50, at=0.0)
+    fleet.run(iter([r]), until=10.0, drain_s=0.0)
+    assert r.done < 10.0
+    during = [s for s in seen if r.first_token <= s.now < r.done]
+    assert during
+    assert all(s.first_tokens == {0: (640, r.first_token)} and not s.itls for s in during)
+    after = [s for s in seen if s.now >= r.done]
+    assert after
+    assert all(s.itls == {0: pytest.approx((r.done - r.first_token) / 49)} for s in after)
+
+
+def test_the_agg_planner_decode_side_reads_the_itl_gauge_against_decoding_blocks() -> None:
+    planner = DynamoAggPlannerScaler(1, 64)
+    decoding = []
+    for i in range(2):
+        replica = Replica(i, MODEL)
+        replica.place(request(100 + i, f"d{i}", 10, 1000), 0.0)
+        while not replica.running:
+            replica.process(replica.next_event())
+        decoding.append(replica)
+    assert [r.running_blocks for r in decoding] == [10, 10]
+    # 5 earlier points put the 50 ms ITL at 8 blocks; each replica decodes 10 blocks, past it.
+    planner.itl_points.extend([(2.0, 0.02), (4.0, 0.03), (6.0, 0.04), (8.0, 0.05), (12.0, 0.07)])
+    itls = {0: 0.06, 1: 0.06}
+    assert planner.target(fleet_state(now=5.0, ready=decoding, itls=itls)) == 3
+    assert list(planner.itl_points)[-2:] == [(10.0, 0.06), (10.0, 0.06)]
+    # At its cap it still asks, and so waits for the deployment: no decision until the poll sees it ready.
+    capped = DynamoAggPlannerScaler(1, 2)
+    capped.itl_points.extend(planner.itl_points)
+    assert capped.target(fleet_state(now=5.0, ready=decoding, itls=itls)) == 2
+    assert capped.poll_at == 15.0
+
+
 def test_the_lag_keda_reads_is_every_arrival_since_the_oldest_held_request() -> None:
     seen: list[FleetState] = []
 
@@ -520,7 +567,7 @@ def test_the_agg_planner_counts_held_prompts_and_averages_only_the_gauges_a_repl
     idle = [Replica(i, MODEL) for i in range(2)]
     # Only replica 0 has a first token: the mean prompt is its 1,000 tokens, not 500 with replica 1's
     # missing gauge counted as 0, so the prefill target stays 2,000.
-    # With this point the fit reaches 500 ms at 3,239 tokens: a target of 2,239 past the mean prompt.
+    # With this point the fit reaches 500 ms at 3,274 tokens: a target of 2,274 past the mean prompt.
     first = {0: (1_000, 0.3)}
     held = fleet_state(now=5.0, ready=idle, first_tokens=first, prefill_tokens=4_600)
     assert planner.target(held) == 3  # 4,600 held tokens: 2,300 a replica, both past the target
