@@ -264,15 +264,15 @@ def sla_load(points: list[tuple[float, float]], target: float, min_points: int =
     slope not above 0, the smallest x observed under the target (the smallest x of all when none is)."""
     if len(points) < min_points:
         return None
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else 0.0
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    try:
+        slope, intercept = statistics.linear_regression(xs, ys)
+    except statistics.StatisticsError:  # every x equal: no slope
+        slope, intercept = 0.0, 0.0
     if slope <= 0:
         below = [x for x, y in points if y < target]
-        return max(0.0, min(below) if below else min(x for x, _ in points))
-    return max(0.0, (target - (my - slope * mx)) / slope)
+        return max(0.0, min(below) if below else min(xs))
+    return max(0.0, (target - intercept) / slope)
 
 
 def agg_planner_step(
@@ -386,13 +386,13 @@ class DynamoAggPlannerScaler:
 
     def target(self, state: FleetState) -> int:
         current = len(state.ready) + state.starting
-        held = state.prefill_tokens - sum(r.prefill_tokens() for r in state.ready)
-        held_share = max(0, held) / max(1, len(state.ready))
+        prefill = {r.index: r.prefill_tokens() for r in state.ready}
+        held_share = max(0, state.prefill_tokens - sum(prefill.values())) / max(1, len(prefill))
         sample: dict[int, WorkerLoad] = {}
         for r in state.ready:
             first = state.first_tokens.get(r.index)
             sample[r.index] = WorkerLoad(
-                r.prefill_tokens() + held_share,
+                prefill[r.index] + held_share,
                 float(r.running_blocks),
                 None if first is None else float(first[0]),
                 None if first is None else first[1],
