@@ -2,9 +2,14 @@
 
 Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
 expected output after a reserve, queue under its depth; batch requests also leave spare KV blocks and
-running slots), then the weighted sum of the registered scorers (dispatcher.scorers: prefix match
-ratio, KV headroom after placement, queue depth relative to the other candidates, whether the worker
-holds the request's LoRA adapter). Ties are broken at random.
+running slots). Then, with the `latency` objective (the default), the worker with the lowest predicted
+time to first token (dispatcher.latency: the prefill queued there, the request's own uncached tokens,
+the wait for a slot, an adapter to load), among those where the requests running would keep their
+inter-token SLO; an interactive request that no worker can serve within its TTFT SLO is held for up to
+`slo_hold_s` (placed at once if it is sheddable and refused instead). With the `score` objective, the
+weighted sum of the registered scorers (dispatcher.scorers: prefix match ratio, KV headroom after
+placement, queue depth relative to the other candidates, whether the worker holds the request's LoRA
+adapter). Ties are broken at random.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
+from dispatcher.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from dispatcher.scorers import Candidates, default_weights, weighted_sum, weights_problem
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
@@ -43,11 +50,22 @@ class PlacementPolicy:
     queue_depth: Literal["derived", "fixed"] = "derived"
     refill_s: float = 0.1
     min_queue: int = 2
+    # `latency`: the lowest predicted time to first token; `score`: the highest weighted sum of scores.
+    objective: Literal["latency", "score"] = "latency"
+    latency: LatencyDefaults = field(default_factory=LatencyDefaults)
+    # The pool's SLOs for a request that states none (headers x-slo-ttft-ms and x-slo-tpot-ms).
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    # How long an interactive request that no worker can serve within its TTFT SLO waits in the hold
+    # for one that can, before it goes to the one predicted soonest.
+    slo_hold_s: float = 10.0
 
     def __post_init__(self) -> None:
         problem = weights_problem(self.weights)
         if problem is not None:
             raise ValueError(problem)
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0 or self.slo_hold_s < 0:
+            raise ValueError("the SLOs must be > 0 and slo_hold_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,9 @@ class Demand:
     # worker's light slots, which start an interactive request of a team under its share at once.
     light: bool = False
     adapter: str | None = None  # the LoRA adapter it runs under
+    ttft_slo_s: float | None = None  # its own SLOs (None: the pool's)
+    tpot_slo_s: float | None = None
+    sheddable: bool = False  # refused (429) rather than held when no worker can meet its TTFT SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +94,7 @@ class WorkerSnapshot:
     in_flight: int = 0
     in_flight_blocks: int = 0
     matched_blocks: int = 0
+    in_flight_tokens: int = 0  # uncached prompt tokens placed on it since its heartbeat
 
     @property
     def worker_id(self) -> str:
@@ -94,6 +116,13 @@ class Decision:
     matched_blocks: int = 0
     blocks_needed: int = 0
     reason: str = ""
+    predicted_ttft_s: float = math.nan  # the latency model's prediction, uncorrected, where it chose
+    uncached_tokens: int = 0  # prompt tokens the chosen worker will compute
+    refused: bool = False  # a sheddable request no worker can serve within its SLO: answer 429
+
+    @property
+    def held(self) -> bool:
+        return self.worker_id is None and not self.refused
 
 
 def blocks_needed(demand: Demand, matched_blocks: int, block_size: int, policy: PlacementPolicy) -> int:
@@ -163,6 +192,8 @@ def rejection(worker: WorkerSnapshot, demand: Demand, now: float, policy: Placem
 
 
 AFFINITY_REASON = "waiting for the worker that holds its prefix"
+SLO_REASON = "no worker can meet its TTFT SLO"
+SHED_REASON = "no worker can meet its TTFT SLO; refused as sheddable"
 
 
 def waits_for_affinity(
@@ -173,6 +204,61 @@ def waits_for_affinity(
     and it has waited less than `spill_after_s`."""
     extra = (best_matched - chosen_matched) * block_size
     return extra >= policy.spill_tokens and demand.waited_s < policy.spill_after_s
+
+
+def uncached_tokens(demand: Demand, matched_blocks: int, block_size: int) -> int:
+    """Prompt tokens a worker holding `matched_blocks` of the prompt computes (at least one: the engine
+    computes the last prompt token again to sample from it)."""
+    return max(1, demand.prompt_tokens - matched_blocks * block_size)
+
+
+def predicted_row(
+    worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy
+) -> tuple[float, float, float]:
+    """The latency model on one worker: (corrected TTFT, uncorrected TTFT, ITL of its running requests
+    after), all in seconds (dispatcher.latency)."""
+    hb, d = worker.heartbeat, policy.latency
+    rate = hb.prefill_tokens_per_s if hb.prefill_tokens_per_s > 0 else d.prefill_tokens_per_s
+    step = hb.step_s if hb.step_s > 0 else d.step_s
+    own = float(uncached_tokens(demand, worker.matched_blocks, hb.block_size))
+    wait = float(slot_wait_s(float(worker.load), float(hb.max_running), hb.completed_per_s))
+    queued = hb.prefill_backlog + worker.in_flight_tokens
+    backlog = float(backlog_now(queued, now - hb.sent_at, rate, step, d.chunk_tokens))
+    raw = float(predicted_ttft(own, backlog, rate, step, d.chunk_tokens, wait))
+    raw += 0.0 if holds_adapter(worker, demand) else d.adapter_load_s
+    itl = float(itl_after(own, rate, step, policy.expected_output_tokens))
+    return raw * hb.ttft_correction, raw, itl
+
+
+def latency_choice(
+    ttft: npt.NDArray[np.float64],
+    itl: npt.NDArray[np.float64],
+    fit: npt.NDArray[np.bool_],
+    busy: npt.NDArray[np.bool_],
+    demand: Demand,
+    policy: PlacementPolicy,
+    rng: random.Random,
+) -> tuple[int | None, str]:
+    """The row with the lowest predicted TTFT among those that can take the request (`fit`, at least
+    one), preferring rows where the running requests keep their ITL SLO; or None and why it waits:
+    an eligible row that cannot take it now (`busy`) would serve it sooner by more than `spill_tokens`
+    of prefill, or no row meets its TTFT SLO (interactive requests only)."""
+    rows = np.flatnonzero(fit)
+    if demand.priority is Priority.INTERACTIVE:
+        keep = rows[itl[rows] <= (demand.tpot_slo_s or policy.tpot_slo_s)]
+        rows = keep if keep.size else rows
+    best = float(ttft[rows].min())
+    if busy.any() and demand.waited_s < policy.spill_after_s:
+        spill_s = policy.spill_tokens / policy.latency.prefill_tokens_per_s
+        if float(ttft[busy].min()) + spill_s <= best:
+            return None, AFFINITY_REASON
+    if demand.priority is Priority.INTERACTIVE and best > (demand.ttft_slo_s or policy.ttft_slo_s):
+        if demand.sheddable:
+            return None, SHED_REASON
+        if demand.waited_s < policy.slo_hold_s:
+            return None, SLO_REASON
+    winners = rows[ttft[rows] <= best + 1e-9]
+    return int(winners[rng.randrange(len(winners))]), ""
 
 
 def holds_adapter(worker: WorkerSnapshot, demand: Demand) -> bool:
@@ -222,6 +308,8 @@ def choose(
         reasons = [why or "" for _, why in verdicts]
         reason = max(set(reasons), key=reasons.count) if reasons else "no workers"
         return Decision(None, reason=reason)
+    if policy.objective == "latency":
+        return choose_by_latency(verdicts, demand, now, policy, rng)
     busy = [w.matched_blocks for w, why in verdicts if why is not None and is_eligible(w, now)]
     best_fit = max(w.matched_blocks for w in fit)
     if busy and waits_for_affinity(best_fit, max(busy), fit[0].heartbeat.block_size, demand, policy):
@@ -231,6 +319,28 @@ def choose(
     winner = rng.choice([w for s, w in zip(scores, fit, strict=True) if s >= best - 1e-9])
     needed = blocks_needed(demand, winner.matched_blocks, winner.heartbeat.block_size, policy)
     return Decision(winner.worker_id, winner.matched_blocks, needed)
+
+
+def choose_by_latency(
+    verdicts: Sequence[tuple[WorkerSnapshot, str | None]],
+    demand: Demand,
+    now: float,
+    policy: PlacementPolicy,
+    rng: random.Random,
+) -> Decision:
+    """`choose` with the latency objective, over the workers and why each cannot take the request."""
+    rows = [predicted_row(w, demand, now, policy) for w, _ in verdicts]
+    ttft = np.array([r[0] for r in rows])
+    itl = np.array([r[2] for r in rows])
+    fit = np.array([why is None for _, why in verdicts])
+    busy = np.array([why is not None and is_eligible(w, now) for w, why in verdicts])
+    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng)
+    if i is None:
+        return Decision(None, reason=reason, refused=reason == SHED_REASON)
+    winner = verdicts[i][0]
+    needed = blocks_needed(demand, winner.matched_blocks, winner.heartbeat.block_size, policy)
+    own = uncached_tokens(demand, winner.matched_blocks, winner.heartbeat.block_size)
+    return Decision(winner.worker_id, winner.matched_blocks, needed, "", rows[i][1], own)
 
 
 def choose_least_loaded(

@@ -15,12 +15,15 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from dispatcher.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from dispatcher.placement import (
     AFFINITY_REASON,
+    SHED_REASON,
     Decision,
     Demand,
     PlacementPolicy,
     WorkerSnapshot,
+    latency_choice,
     waits_for_affinity,
 )
 from dispatcher.scorers import Candidates, Floats, weighted_sum
@@ -39,11 +42,17 @@ COLUMNS = (
     "slots",
     "completed",
     "light",
+    "work",  # uncached prompt tokens without a first token as of `since`: its heartbeat's backlog, then
+    "since",  # less what it computed between two placements there, plus each placement's tokens
+    "rate",  # prefill tokens per second (measured, else the default)
+    "step",  # decode step seconds (measured, else the default)
+    "correction",  # observed over predicted TTFT
 )
 
 
 class WorkerTable:
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, latency: LatencyDefaults | None = None) -> None:
+        self.latency = latency or LatencyDefaults()
         self.ids: list[str] = []
         self.row: dict[str, int] = {}
         self._cols: dict[str, Floats] = {c: np.zeros(capacity) for c in COLUMNS}
@@ -54,7 +63,7 @@ class WorkerTable:
     def col(self, name: str) -> Floats:
         return self._cols[name][: len(self.ids)]
 
-    def upsert(self, hb: Heartbeat, in_flight: int, in_flight_blocks: int) -> None:
+    def upsert(self, hb: Heartbeat, in_flight: int, in_flight_blocks: int, in_flight_tokens: int = 0) -> None:
         i = self.row.get(hb.worker_id)
         if i is None:
             i = len(self.ids)
@@ -75,15 +84,30 @@ class WorkerTable:
             "slots": hb.max_running,
             "completed": hb.completed_per_s,
             "light": hb.light_slots,
+            "work": hb.prefill_backlog + in_flight_tokens,
+            "since": hb.sent_at,
+            "rate": hb.prefill_tokens_per_s or self.latency.prefill_tokens_per_s,
+            "step": hb.step_s or self.latency.step_s,
+            "correction": hb.ttft_correction,
         }
         for c, v in values.items():
             self._cols[c][i] = v
 
-    def add_in_flight(self, worker_id: str, blocks: int) -> None:
+    def add_in_flight(self, worker_id: str, blocks: int, tokens: int = 0, now: float | None = None) -> None:
+        """Count a placement made at `now` (its uncached prompt tokens join the row's prefill work)."""
         i = self.row.get(worker_id)
         if i is not None:
             self._cols["in_flight"][i] += 1
             self._cols["blocks"][i] += blocks
+            if now is not None:
+                self._cols["work"][i] = self.work_at(now)[i] + tokens
+                self._cols["since"][i] = now
+
+    def work_at(self, now: float) -> Floats:
+        """Each row's prefill work left at `now` (`latency.backlog_now`: the engine computes its queued
+        prompts without pause, so what was queued at `since` has shrunk by what it computes since)."""
+        age = now - self.col("since")
+        return backlog_now(self.col("work"), age, self.col("rate"), self.col("step"), self.latency.chunk_tokens)
 
     def remove(self, worker_id: str) -> None:
         i = self.row.pop(worker_id, None)
@@ -176,6 +200,8 @@ def choose_fast(
         return Decision(None, reason=counts.most_common(1)[0][0])
 
     busy = ~stale & ~fit
+    if policy.objective == "latency":
+        return by_latency(table, matched, demand, now, policy, rng, fit, busy, needed, adapter_held)
     if busy.any():
         size = int(block_size[0])
         if waits_for_affinity(int(matched[fit].max()), int(matched[busy].max()), size, demand, policy):
@@ -197,14 +223,50 @@ def choose_fast(
     return Decision(table.ids[i], int(matched[i]), int(needed[i]))
 
 
+def predicted_columns(
+    table: WorkerTable, uncached: Floats, now: float, policy: PlacementPolicy, adapter_s: Floats | float = 0.0
+) -> tuple[Floats, Floats]:
+    """The latency model over every row: (uncorrected TTFT, ITL of its running requests after), in
+    seconds, for a request with `uncached` tokens to compute on each (`placement.predicted_row`)."""
+    rate, step = table.col("rate"), table.col("step")
+    wait = slot_wait_s(table.col("running") + queued(table), table.col("slots"), table.col("completed"))
+    raw = predicted_ttft(uncached, table.work_at(now), rate, step, table.latency.chunk_tokens, wait)
+    raw = raw + adapter_s
+    return raw, itl_after(uncached, rate, step, policy.expected_output_tokens)
+
+
+def by_latency(
+    table: WorkerTable,
+    matched: Floats,
+    demand: Demand,
+    now: float,
+    policy: PlacementPolicy,
+    rng: random.Random,
+    fit: npt.NDArray[np.bool_],
+    busy: npt.NDArray[np.bool_],
+    needed: Floats,
+    adapter_held: Floats | None,
+) -> Decision:
+    """`choose_fast` with the latency objective (`placement.choose_by_latency`)."""
+    uncached = np.maximum(1.0, demand.prompt_tokens - matched * table.col("block_size"))
+    adapter_s: Floats | float = 0.0
+    if demand.adapter is not None and adapter_held is not None:
+        adapter_s = (1.0 - adapter_held) * policy.latency.adapter_load_s
+    raw, itl = predicted_columns(table, uncached, now, policy, adapter_s)
+    i, reason = latency_choice(raw * table.col("correction"), itl, fit, busy, demand, policy, rng)
+    if i is None:
+        return Decision(None, reason=reason, refused=reason == SHED_REASON)
+    return Decision(table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]))
+
+
 def choose_over(
     workers: Sequence[WorkerSnapshot], demand: Demand, now: float, policy: PlacementPolicy, rng: random.Random
 ) -> Decision:
     """`choose_fast` over snapshots (a table built for this decision): what the dispatcher runs, for a
     caller holding snapshots, such as the simulator's decode-side placement."""
-    table = WorkerTable(max(1, len(workers)))
+    table = WorkerTable(max(1, len(workers)), policy.latency)
     for w in workers:
-        table.upsert(w.heartbeat, w.in_flight, w.in_flight_blocks)
+        table.upsert(w.heartbeat, w.in_flight, w.in_flight_blocks, w.in_flight_tokens)
     matched = np.array([float(w.matched_blocks) for w in workers])
     held = None
     if demand.adapter is not None:

@@ -299,10 +299,23 @@ class Heartbeat(Message):
         default="both", description="prefill: runs prefill jobs only; decode or both: requests"
     )
     prefill_tokens_per_s: float = Field(
-        default=0.0, ge=0.0, description="prompt tokens computed per second, recently"
+        default=0.0, ge=0.0, description="prompt tokens computed per second of prefill work, recently"
     )
     prefill_backlog: int = Field(
-        default=0, ge=0, description="prompt tokens of the prefill jobs not finished"
+        default=0,
+        ge=0,
+        description="uncached prompt tokens not computed yet: of the prefill jobs (a prefill worker), of "
+        "the requests without a first token (any other)",
+    )
+    step_s: float = Field(default=0.0, ge=0.0, description="a decode step, recently (0: not measured)")
+    ttft_correction: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1000.0,
+        description="observed over predicted time to first token of its recent requests, smoothed",
+    )
+    ttft_error: float = Field(
+        default=0.0, ge=0.0, description="mean relative error of the corrected prediction, recently"
     )
     tensor_parallel_size: int = Field(default=1, gt=0)
     spec_decoding: bool = False

@@ -23,6 +23,7 @@ import numpy as np
 
 from bench.sim.engine import Request, leading_cached
 from bench.sim.views import ReplicaView
+from dispatcher.latency import Correction
 from dispatcher.placement import Demand, PlacementPolicy
 from dispatcher.scorers import default_weights
 from dispatcher.table import WorkerTable, choose_fast, refused_by_all
@@ -40,14 +41,19 @@ class Router(Protocol):
         ...
 
 
-def heartbeat(view: ReplicaView, now: float, seq: int) -> Heartbeat:
+def heartbeat(view: ReplicaView, now: float, seq: int, correction: float = 1.0) -> Heartbeat:
+    """What the replica's worker would report. Its prefill rate and decode step are the ones it would
+    measure: prompt tokens per second of prefill compute, and a step without prefill at its running
+    batch; its prefill backlog is the uncached prompt tokens routed to it without a first token."""
     m = view.model
     return Heartbeat.model_construct(
         worker_id=f"r{view.index}", pool="sim", model="llama-70b", state=WorkerState.READY, seq=seq,
         sent_at=now, ttl_ms=3000, kv_blocks_total=m.kv_blocks, kv_blocks_free=max(0, view.free_blocks),
         block_size=m.block_size, running=view.scheduled, waiting=view.queue, inbox_pending=0,
         max_running=m.max_seqs, decode_tokens_per_s=0.0, started_at=0.0, ready_at=0.0,
-        completed_per_s=view.completed_per_s,
+        completed_per_s=view.completed_per_s, prefill_backlog=view.prefill_tokens(),
+        prefill_tokens_per_s=1 / m.prefill_per_token_s,
+        step_s=m.decode_base_s + m.decode_per_seq_s * view.scheduled, ttft_correction=correction,
     )  # fmt: skip
 
 
@@ -81,7 +87,7 @@ class SluiceRouter:
     def __init__(self, policy: PlacementPolicy, rng: random.Random) -> None:
         self.policy = policy
         self.rng = rng
-        self.table = WorkerTable()
+        self.table = WorkerTable(latency=policy.latency)
         self._seq = 0
         self.decision_s = 0.0
         self.decisions = 0
@@ -89,6 +95,11 @@ class SluiceRouter:
         # request is held without being scored (a long hold is retried many times between two changes).
         self._changes = 0
         self._refused_at: tuple[float, int] | None = None
+        # The latency model's correction per replica, from each placement's prediction (uncorrected,
+        # corrected, when) and its observed first token; and the corrected prediction's relative errors.
+        self.corrections: dict[int, Correction] = {}
+        self._predicted: dict[int, tuple[int, float, float, float]] = {}
+        self.errors: list[float] = []
 
     def _forget_gone(self, live: Collection[str]) -> None:
         for worker_id in [w for w in self.table.ids if w not in live]:
@@ -99,8 +110,21 @@ class SluiceRouter:
         self._forget_gone({f"r{v.index}" for v in views})
         for v in views:
             self._seq += 1
-            self.table.upsert(heartbeat(v, now, self._seq), 0, 0)
+            correction = self.corrections.get(v.index)
+            factor = 1.0 if correction is None else correction.factor
+            self.table.upsert(heartbeat(v, now, self._seq, factor), 0, 0)
         self._changes += 1
+
+    def first_token(self, request: Request, now: float) -> None:
+        """The worker's side of the correction: the observed first-token time against the prediction."""
+        placed = self._predicted.pop(request.rid, None)
+        if placed is None or math.isnan(placed[1]):
+            return
+        index, raw, corrected, at = placed
+        observed = request.first_token - at
+        self.corrections.setdefault(index, Correction()).observe(raw, observed)
+        if observed > 0:
+            self.errors.append(abs(observed - corrected) / observed)
 
     def route(self, request: Request, views: Sequence[ReplicaView], now: float) -> ReplicaView | None:
         if self._refused_at == (now, self._changes):
@@ -132,9 +156,14 @@ class SluiceRouter:
             if refused_by_all(self.table, now, self.policy):  # it would hold any request until a change
                 self._refused_at = (now, self._changes)
             return None
-        self.table.add_in_flight(decision.worker_id, decision.blocks_needed)
+        self.table.add_in_flight(decision.worker_id, decision.blocks_needed, decision.uncached_tokens, now)
         self._changes += 1
-        return by_id[decision.worker_id]
+        chosen = by_id[decision.worker_id]
+        correction = self.corrections.get(chosen.index)
+        factor = 1.0 if correction is None else correction.factor
+        raw = decision.predicted_ttft_s
+        self._predicted[request.rid] = (chosen.index, raw, raw * factor, now)
+        return chosen
 
 
 class RandomRouter(Stateless):
@@ -606,6 +635,8 @@ def make_router(name: str, seed: int, policy: PlacementPolicy | None = None) -> 
         return knob_router(family, TUNED[family], rng)
     routers: dict[str, Router] = {
         "sluice": SluiceRouter(policy or PlacementPolicy(), rng),
+        # The weighted sum of unitless scores that was the default before the latency model.
+        "sluice-scores": SluiceRouter(PlacementPolicy(objective="score"), rng),
         "random": RandomRouter(rng),
         "round-robin": RoundRobinRouter(),
         "least-loaded": LeastLoadedRouter(rng),
@@ -627,7 +658,7 @@ TUNABLE = tuple(TUNED)
 # The tables' routers. A family whose sweep kept its default has no -tuned row (it would repeat the
 # default's); `--routers NAME-tuned` runs any of them.
 ROUTERS = (
-    "sluice", "random", "round-robin", "least-loaded", "sglang", "sglang-tuned", "llm-d",
+    "sluice", "sluice-scores", "random", "round-robin", "least-loaded", "sglang", "sglang-tuned", "llm-d",
     "llm-d-flow-control", "llm-d-predicted", "llm-d-predicted-tuned", "dynamo", "dynamo-tuned",
 )  # fmt: skip
 LORA_ROUTERS = ("sluice-adapter-blind", "llm-d-lora")

@@ -22,7 +22,8 @@ from dispatcher.table import WorkerTable, choose_fast
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 NOW = 1000.0
-POLICY = PlacementPolicy(queue_depth="fixed")  # the derived depth has its own tests below
+POLICY = PlacementPolicy(queue_depth="fixed", objective="score")  # the scorers; tests/unit/test_latency.py
+# has the latency objective. The derived depth has its own tests below.
 HASHES = [f"h{i}" for i in range(8)]  # an 8-block prompt of 128 tokens (block size 16)
 
 

@@ -52,8 +52,8 @@ def named_scorer() -> Iterator[str]:
 def test_a_new_scorer_takes_part_in_both_paths_once_weighted(named_scorer: str) -> None:
     workers = [snapshot("w-a", 0), snapshot("w-b", 3), snapshot("w-last", 7)]
     demand = Demand(32, ("h1", "h2"), 16)
-    plain = PlacementPolicy()
-    weighted = PlacementPolicy(weights={**default_weights(), named_scorer: 10.0})
+    plain = PlacementPolicy(objective="score")
+    weighted = PlacementPolicy(weights={**default_weights(), named_scorer: 10.0}, objective="score")
     for pick in (choose, choose_over):
         assert pick(workers, demand, NOW, plain, random.Random(0)).worker_id == "w-a"  # the shortest queue
         assert pick(workers, demand, NOW, weighted, random.Random(0)).worker_id == "w-last"

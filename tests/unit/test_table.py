@@ -7,11 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatcher.placement import (
+    AFFINITY_REASON,
+    SHED_REASON,
+    SLO_REASON,
     Demand,
     PlacementPolicy,
     WorkerSnapshot,
     blocks_needed,
     choose,
+    predicted_row,
     rejection,
     score,
 )
@@ -35,6 +39,11 @@ worker = st.fixed_dictionaries(
         "completed": st.floats(0, 300),
         "light": st.integers(0, 3),
         "adapter": st.booleans(),
+        "backlog": st.integers(0, 20_000),
+        "tokens": st.integers(0, 5_000),
+        "rate": st.sampled_from([0.0, 2_000.0, 12_000.0]),
+        "step": st.sampled_from([0.0, 0.02, 0.2]),
+        "correction": st.floats(0.2, 5),
     }
 )
 
@@ -47,7 +56,9 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
         block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
         decode_tokens_per_s=0.0, started_at=0.0, max_running=w.get("slots", 0),  # type: ignore[arg-type]
         completed_per_s=w.get("completed", 0.0), light_slots=w.get("light", 0),  # type: ignore[arg-type]
-        adapters=("x",) if w.get("adapter") else (),
+        adapters=("x",) if w.get("adapter") else (), prefill_backlog=w.get("backlog", 0),
+        prefill_tokens_per_s=w.get("rate", 0.0), step_s=w.get("step", 0.0),
+        ttft_correction=w.get("correction", 1.0),
     )  # fmt: skip
 
 
@@ -60,6 +71,10 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
     depth=st.sampled_from(["derived", "fixed"]),
     light=st.booleans(),
     adapter=st.sampled_from([None, "x"]),
+    objective=st.sampled_from(["latency", "score"]),
+    waited=st.sampled_from([0.0, 6.0, 20.0]),
+    slo=st.sampled_from([None, 0.05, 2.0]),
+    sheddable=st.booleans(),
 )
 def test_fast_and_reference_agree(
     workers: list[dict[str, object]],
@@ -69,22 +84,39 @@ def test_fast_and_reference_agree(
     depth: str,
     light: bool,
     adapter: str | None,
+    objective: str,
+    waited: float,
+    slo: float | None,
+    sheddable: bool,
 ) -> None:
-    policy = PlacementPolicy(queue_depth=depth)  # type: ignore[arg-type]
+    policy = PlacementPolicy(queue_depth=depth, objective=objective)  # type: ignore[arg-type]
     priority = Priority.BATCH if batch else Priority.INTERACTIVE
-    demand = Demand(128, [f"h{i}" for i in range(8)], max_tokens, priority, light=light, adapter=adapter)
+    demand = Demand(
+        128, [f"h{i}" for i in range(8)], max_tokens, priority, waited, light=light, adapter=adapter,
+        ttft_slo_s=slo, sheddable=sheddable,
+    )  # fmt: skip
     table = WorkerTable(capacity=2)
     snapshots = []
     for i, w in enumerate(workers):
         hb = heartbeat(i, w)
-        table.upsert(hb, int(w["in_flight"]), int(w["in_flight_blocks"]))  # type: ignore[call-overload]
-        snapshots.append(WorkerSnapshot(hb, w["in_flight"], w["in_flight_blocks"], w["matched"]))  # type: ignore[arg-type]
+        table.upsert(hb, int(w["in_flight"]), int(w["in_flight_blocks"]), int(w["tokens"]))  # type: ignore[call-overload]
+        snapshots.append(WorkerSnapshot(hb, w["in_flight"], w["in_flight_blocks"], w["matched"], w["tokens"]))  # type: ignore[arg-type]
     matched = np.array([float(w["matched"]) for w in workers])  # type: ignore[arg-type]
     held = np.array([1.0 if w["adapter"] else 0.0 for w in workers])
     fast = choose_fast(table, matched, demand, NOW, policy, random.Random(seed), held)
     reference = choose(snapshots, demand, NOW, policy, random.Random(seed))
     assert (fast.worker_id is None) == (reference.worker_id is None)
     if fast.worker_id is None:
+        waits = {AFFINITY_REASON, SLO_REASON, SHED_REASON}  # (among the filters' reasons, a tie may differ)
+        assert fast.refused == reference.refused
+        assert (fast.reason in waits) == (reference.reason in waits)
+        assert fast.reason == reference.reason or fast.reason not in waits
+        return
+    if objective == "latency":
+        predicted = {s.worker_id: predicted_row(s, demand, NOW, policy) for s in snapshots}
+        assert abs(predicted[fast.worker_id][0] - predicted[str(reference.worker_id)][0]) < 1e-6
+        assert abs(fast.predicted_ttft_s - predicted[fast.worker_id][1]) < 1e-6
+        assert fast.uncached_tokens == reference.uncached_tokens or fast.worker_id != reference.worker_id
         return
     fit = [s for s in snapshots if rejection(s, demand, NOW, policy) is None]
     queues = [s.queue for s in fit]
