@@ -107,7 +107,8 @@ class WorkerTable:
         """Each row's prefill work left at `now` (`latency.backlog_now`: the engine computes its queued
         prompts without pause, so what was queued at `since` has shrunk by what it computes since)."""
         age = now - self.col("since")
-        return backlog_now(self.col("work"), age, self.col("rate"), self.col("step"), self.latency.chunk_tokens)
+        chunk = self.latency.chunk_tokens
+        return backlog_now(self.col("work"), age, self.col("rate"), self.col("step"), chunk)
 
     def remove(self, worker_id: str) -> None:
         i = self.row.pop(worker_id, None)

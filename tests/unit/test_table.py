@@ -56,9 +56,9 @@ def heartbeat(i: int, w: dict[str, object]) -> Heartbeat:
         block_size=16, running=w["running"], waiting=w["waiting"], inbox_pending=0,  # type: ignore[arg-type]
         decode_tokens_per_s=0.0, started_at=0.0, max_running=w.get("slots", 0),  # type: ignore[arg-type]
         completed_per_s=w.get("completed", 0.0), light_slots=w.get("light", 0),  # type: ignore[arg-type]
-        adapters=("x",) if w.get("adapter") else (), prefill_backlog=w.get("backlog", 0),
-        prefill_tokens_per_s=w.get("rate", 0.0), step_s=w.get("step", 0.0),
-        ttft_correction=w.get("correction", 1.0),
+        adapters=("x",) if w.get("adapter") else (), prefill_backlog=w.get("backlog", 0),  # type: ignore[arg-type]
+        prefill_tokens_per_s=w.get("rate", 0.0), step_s=w.get("step", 0.0),  # type: ignore[arg-type]
+        ttft_correction=w.get("correction", 1.0),  # type: ignore[arg-type]
     )  # fmt: skip
 
 
