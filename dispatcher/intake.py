@@ -103,8 +103,8 @@ class Intake(DispatcherState):
                 await self.acts.dead_letter(record, str(exc))
             self.offsets.closed((record.topic, record.partition), record.offset)
             return
-        if request.handoff is not None:  # only the placing dispatcher may ask for one
-            request = request.model_copy(update={"handoff": None})
+        if request.handoff is not None or request.placement is not None:  # only the placing dispatcher
+            request = request.model_copy(update={"handoff": None, "placement": None})  # sets these
         source = (record.topic, record.partition)
         held = Held(request, source, record.offset, time.monotonic())
         if not self.hold.add(held):

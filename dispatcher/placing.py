@@ -5,6 +5,7 @@ worker's request readied to move."""
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import time
 from functools import partial
@@ -18,19 +19,48 @@ from dispatcher.disagg import choose_prefill, decide_split, split_case
 from dispatcher.ending import Ending
 from dispatcher.hold import Held
 from dispatcher.migration import decide_move
-from dispatcher.placement import Demand, choose_least_loaded
+from dispatcher.placement import Decision, Demand, choose_least_loaded
 from plumbing.clients import BusUnavailable
 from plumbing.replay import read_log
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import (
     Handoff,
     InferenceRequest,
+    PlacementNote,
     Priority,
+    Tier,
     Usage,
 )
 from queue_schemas.usage import UsageStatus
 
 log = structlog.get_logger("sluice.dispatcher")
+MAX_PREDICTED_S = 86_400.0  # a prediction past a day (a worker finishing nothing) is sent as a day
+
+
+def demand_of(request: InferenceRequest, waited_s: float, light: bool, may_shed: bool) -> Demand:
+    """What placement is asked for a held request. Only a flex-tier interactive request that has not
+    started anywhere (`may_shed`: not taken over from a lost worker) may be refused to keep an SLO."""
+    interactive = request.priority is Priority.INTERACTIVE
+    return Demand(
+        len(request.prompt_token_ids),
+        request.block_hashes,
+        request.sampling.max_tokens,
+        request.priority,
+        waited_s,
+        light=interactive and light,
+        adapter=request.adapter,
+        ttft_slo_s=None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000,
+        tpot_slo_s=None if request.tpot_slo_ms is None else request.tpot_slo_ms / 1000,
+        sheddable=interactive and may_shed and request.tier is Tier.FLEX and request.resume is None,
+    )
+
+
+def placement_note(decision: Decision, now: float) -> PlacementNote | None:
+    """What the worker is told of the prediction (None where the model did not choose)."""
+    if math.isnan(decision.predicted_ttft_s):
+        return None
+    predicted = min(decision.predicted_ttft_s, MAX_PREDICTED_S)
+    return PlacementNote(placed_at=now, predicted_ttft_s=predicted, uncached_tokens=decision.uncached_tokens)
 
 
 class Placing(Ending):
@@ -70,15 +100,7 @@ class Placing(Ending):
             logged = moving
         request = held.request
         waited = max(0.0, time.monotonic() - held.arrived)
-        demand = Demand(
-            len(request.prompt_token_ids),
-            request.block_hashes,
-            request.sampling.max_tokens,
-            request.priority,
-            waited,
-            light=request.priority is Priority.INTERACTIVE and self.hold.held_of(request.team) <= 1,
-            adapter=request.adapter,
-        )
+        demand = demand_of(request, waited, self.hold.held_of(request.team) <= 1, held.taken_over is None)
         t0 = time.perf_counter()
         if self.settings.placement == "scored":
             decision = self.view.decide(demand, time.time(), self.policy, self.rng)
@@ -89,10 +111,14 @@ class Placing(Ending):
         if decision.worker_id is not None and self.disaggregation is not None:
             handoff = self._handoff(request, decision.worker_id, decision.matched_blocks)
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
+        if decision.refused:
+            self._shed(held, f"{decision.reason} ({demand.ttft_slo_s or self.policy.ttft_slo_s:g} s)")
+            return True
         if decision.worker_id is None:
             return False
-        if handoff is not request.handoff:
-            held.request = request = request.model_copy(update={"handoff": handoff})
+        note = placement_note(decision, time.time())
+        if handoff is not request.handoff or note != request.placement:
+            held.request = request = request.model_copy(update={"handoff": handoff, "placement": note})
         reserved = await self.batch.reserve(held)
         if isinstance(reserved, Refusal):
             self._answer_soon(held, reserved.send)
@@ -111,7 +137,9 @@ class Placing(Ending):
             self._finish(held)
             self.hold.charge(request.team, held.cost)
             metrics.TEAM_PLACED_TOKENS.labels(self.pool, request.team).inc(held.cost)
-            self.view.record_placement(decision.worker_id, decision.blocks_needed, request.block_hashes)
+            self.view.record_placement(
+                decision.worker_id, decision.blocks_needed, request.block_hashes, decision.uncached_tokens
+            )
             if request.handoff is not None:
                 self.view.record_prefill(
                     request.handoff.prefill_worker, len(request.prompt_token_ids), request.block_hashes

@@ -86,10 +86,10 @@ class Dispatcher(Intake, Refreshers):
         self._log_chunk = redis.register_script(CHUNK_SCRIPT)
         self._redis_failed_at = float("-inf")  # monotonic; lost workers are not recovered right after
         self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self.acts.dead_letter)
-        self.view = WorkerView(redis, self.names, settings.pool)
+        self.policy = settings.policy(pool_config.latency)
+        self.view = WorkerView(redis, self.names, settings.pool, self.policy.latency)
         self.hold = Hold(settings.hold_capacity)
         self.offsets: OffsetTracker[tuple[str, int]] = OffsetTracker()
-        self.policy = settings.policy()
         self.rng = random.Random()
         self._paused: set[str] = set()  # topics whose partitions are paused
         self._teams_seen: set[str] = set()  # teams with a held-requests gauge

@@ -6,8 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from dispatcher.latency import LatencyDefaults
 from dispatcher.placement import PlacementPolicy
 from dispatcher.scorers import default_weights, weights_problem
+from queue_schemas.config import LatencyConfig
 from queue_schemas.settings import BusSettings
 
 
@@ -44,6 +46,11 @@ class DispatcherSettings(BusSettings):
     # Placement policy (dispatcher.placement.PlacementPolicy).
     placement: Literal["scored", "least-loaded"] = Field(
         default="scored", description="`least-loaded` is the baseline, kept for comparisons"
+    )
+    objective: Literal["latency", "score"] = Field(
+        default="latency",
+        description="latency: the worker with the lowest predicted time to first token "
+        "(dispatcher.latency); score: the highest weighted sum of the scorers",
     )
     scorer_weights: dict[str, float] = Field(
         default_factory=default_weights,
@@ -85,8 +92,16 @@ class DispatcherSettings(BusSettings):
             raise ValueError(problem)
         return weights
 
-    def policy(self) -> PlacementPolicy:
+    def policy(self, latency: LatencyConfig | None = None) -> PlacementPolicy:
+        """The placement policy, with the pool's latency targets and priors (`latency`) where given."""
+        pool = latency or LatencyConfig()
+        chunk = LatencyDefaults().chunk_tokens
         return PlacementPolicy(
+            objective=self.objective,
+            latency=LatencyDefaults(pool.prefill_tokens_per_s, pool.step_ms / 1000, chunk),
+            ttft_slo_s=pool.ttft_slo_ms / 1000,
+            tpot_slo_s=pool.tpot_slo_ms / 1000,
+            slo_hold_s=pool.slo_hold_s,
             weights={**default_weights(), **self.scorer_weights},
             kv_reserve_fraction=self.kv_reserve_fraction,
             max_queue=self.max_queue,

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from dispatcher.disagg import PrefillSide
+from dispatcher.latency import LatencyDefaults
 from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
 from dispatcher.scorers import Floats
@@ -28,7 +29,9 @@ log = structlog.get_logger("sluice.dispatcher.view")
 
 
 class WorkerView:
-    def __init__(self, redis: aioredis.Redis, names: Names, pool: str) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, names: Names, pool: str, latency: LatencyDefaults | None = None
+    ) -> None:
         self._redis = redis
         self._names = names
         self.pool = pool
@@ -36,9 +39,10 @@ class WorkerView:
         self.precise: dict[str, PreciseIndex] = {}
         self._cursors: dict[str, str] = {}
         self.approximate: dict[str, ApproximateIndex] = {}
-        self._placed: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        # (when, KV blocks, uncached prompt tokens) of each placement or prefill job since a heartbeat
+        self._placed: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
         self.holders = BlockHolders()
-        self.table = WorkerTable()
+        self.table = WorkerTable(latency=latency)
         self._imprecise_cache: list[str] | None = None
 
     # heartbeats
@@ -61,11 +65,11 @@ class WorkerView:
         self._imprecise_cache = None
         # What was placed before this heartbeat is in its counts now; only later placements are in flight.
         placed = self._placed[hb.worker_id]
-        placed[:] = [(t, b) for t, b in placed if t > hb.sent_at]
+        placed[:] = [p for p in placed if p[0] > hb.sent_at]
         if hb.role == "prefill":  # runs prefill jobs only: never a request's placement
             self.table.remove(hb.worker_id)
             return
-        self.table.upsert(hb, len(placed), sum(b for _, b in placed))
+        self.table.upsert(hb, len(placed), sum(p[1] for p in placed), sum(p[2] for p in placed))
 
     def forget(self, worker_id: str) -> None:
         self._imprecise_cache = None
@@ -88,8 +92,9 @@ class WorkerView:
                 WorkerSnapshot(
                     hb,
                     in_flight=len(placed),
-                    in_flight_blocks=sum(b for _, b in placed),
+                    in_flight_blocks=sum(p[1] for p in placed),
                     matched_blocks=self.matched(worker_id, block_hashes),
+                    in_flight_tokens=sum(p[2] for p in placed),
                 )
             )
         return out
@@ -99,7 +104,7 @@ class WorkerView:
         hb = self.heartbeats.get(worker_id)
         if hb is None:
             return 0
-        since = sum(1 for t, _ in self._placed[worker_id] if t > hb.sent_at)
+        since = sum(1 for p in self._placed[worker_id] if p[0] > hb.sent_at)
         return hb.waiting + hb.inbox_pending + since
 
     def prefill_sides(self, block_hashes: Sequence[str]) -> list[PrefillSide]:
@@ -109,14 +114,14 @@ class WorkerView:
         for worker_id, hb in self.heartbeats.items():
             if hb.role != "prefill":
                 continue
-            sent = sum(b for t, b in self._placed[worker_id] if t > hb.sent_at)
+            sent = sum(p[2] for p in self._placed[worker_id] if p[0] > hb.sent_at)
             matched = self.matched(worker_id, block_hashes) * hb.block_size
             out.append(PrefillSide(hb, sent, matched))
         return out
 
     def record_prefill(self, worker_id: str, tokens: int, block_hashes: Sequence[str]) -> None:
         """Count a prefill job's tokens at its worker until the next heartbeat; it now holds the prefix."""
-        self._placed[worker_id].append((time.time(), tokens))
+        self._placed[worker_id].append((time.time(), 0, tokens))
         self._remember_prefix(worker_id, block_hashes)
 
     def matched(self, worker_id: str, block_hashes: Sequence[str]) -> int:
@@ -169,10 +174,14 @@ class WorkerView:
             ]
         return self._imprecise_cache
 
-    def record_placement(self, worker_id: str, blocks: int, block_hashes: Sequence[str]) -> None:
-        """Count the placement as in flight until the next heartbeat, and remember its prefix."""
-        self._placed[worker_id].append((time.time(), blocks))
-        self.table.add_in_flight(worker_id, blocks)
+    def record_placement(
+        self, worker_id: str, blocks: int, block_hashes: Sequence[str], tokens: int = 0
+    ) -> None:
+        """Count the placement (its KV blocks, its uncached prompt tokens) as in flight until the next
+        heartbeat, and remember its prefix."""
+        now = time.time()
+        self._placed[worker_id].append((now, blocks, tokens))
+        self.table.add_in_flight(worker_id, blocks, tokens, now)
         self._remember_prefix(worker_id, block_hashes)
 
     def _remember_prefix(self, worker_id: str, block_hashes: Sequence[str]) -> None:

@@ -70,6 +70,16 @@ class Beats(WorkerParts):
             inbox_pending, seq=self._hb_seq, kv_seq=self.kv.seq,
             completed_per_s=self.completions.rate(time.monotonic()),
         )  # fmt: skip
+        if self.settings.role != "prefill":
+            ledger = self.first_tokens
+            hb = hb.model_copy(
+                update={
+                    "prefill_backlog": max(0, ledger.backlog),
+                    "step_s": ledger.step_s,
+                    "ttft_correction": min(1000.0, max(1e-3, ledger.correction.factor)),
+                    "ttft_error": ledger.correction.error,
+                }
+            )
         if self.handoffs is not None and self.settings.role == "prefill":
             hb = hb.model_copy(
                 update={

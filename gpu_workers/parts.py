@@ -10,6 +10,7 @@ import structlog
 from redis.commands.core import AsyncScript
 
 from gpu_workers.engine import Engine
+from gpu_workers.first_tokens import FirstTokenLedger
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.prefill import HandoffDesk
@@ -52,6 +53,7 @@ class WorkerParts:
     load_seconds: float | None
     _tasks: dict[str, asyncio.Task[None]]
     slots: Slots  # what waits and runs here
+    first_tokens: FirstTokenLedger  # what the heartbeat reports for the dispatcher's latency model
     _hb_seq: int
     _beat_soon: asyncio.Event
     inbox: Inbox

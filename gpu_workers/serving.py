@@ -74,8 +74,12 @@ class Serving(WorkerParts):
             else:
                 assert pieces is not None
                 started = True
+                last = time.monotonic()
                 async for piece in pieces:
-                    await self._deliver(out, coalescer.add(piece, time.monotonic()))
+                    now = time.monotonic()
+                    self.first_tokens.tokens_after(now - last, piece.num_tokens)
+                    last = now
+                    await self._deliver(out, coalescer.add(piece, now))
         except EngineError as exc:
             if self.engine.failure() is not None:
                 # The engine is dead, not this request: the worker fails, and a dispatcher moves the
@@ -122,7 +126,9 @@ class Serving(WorkerParts):
             first = await anext(pieces, None)
             if first is None:
                 raise RequestFailed("the engine ended the request without output")
-            out.timing = replace(out.timing, first_token=time.time())
+            first_at = time.time()
+            out.timing = replace(out.timing, first_token=first_at)
+            self.first_tokens.first_token(request.request_id, first_at)
         except EngineError:
             outcome = await self._begin(request)
             if outcome == "ok":

@@ -20,6 +20,7 @@ from aiokafka import AIOKafkaProducer
 from gpu_workers.beats import Beats
 from gpu_workers.consuming import Consuming
 from gpu_workers.engine import Engine, EngineError
+from gpu_workers.first_tokens import FirstTokenLedger
 from gpu_workers.inbox import Inbox
 from gpu_workers.kv_publisher import KvPublisher
 from gpu_workers.parts import CONSUME_ROUND_S, INBOX_LOOP, KV_PUBLISH_INTERVAL_S, LEAVE, log
@@ -82,6 +83,7 @@ class Worker(Consuming, Beats):
         self._inbox_seen_empty = False
         self.ready_at: float | None = None
         self.completions = CompletionRate()
+        self.first_tokens = FirstTokenLedger()
         self._begin_script = redis.register_script(BEGIN_SCRIPT)
         self.kv = KvPublisher(redis, self.names, settings.worker_id)
         self.error: str | None = None

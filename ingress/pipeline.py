@@ -161,6 +161,7 @@ async def admit(
     prompt_ids: list[int],
     make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
     keep_log_s: int = 0,
+    slo: admission.Slo = admission.NO_SLO,
 ) -> Admitted:
     """Admit (pool and quota), then check the output plan: the steps every generating endpoint
     shares. The plan's checks are the expensive ones, so they come after the gate."""
@@ -174,7 +175,7 @@ async def admit(
     inference = admission.build_request(
         body, pool, team.key.team, prompt_ids,
         request_id=admission.new_request_id(), now=time.time(), timeout_s=ctx.settings.request_timeout_s,
-        key_id=team.key.key_id, keep_log_s=keep_log_s,
+        key_id=team.key.key_id, keep_log_s=keep_log_s, slo=slo,
     )  # fmt: skip
     try:
         await ctx.pool_gate.check(pool)
@@ -203,9 +204,10 @@ async def serve(
     prompt_ids: list[int],
     kind: Literal["chat", "text"],
     make_plan: Callable[[], Awaitable[OutputPlan]] = no_plan,
+    slo: admission.Slo = admission.NO_SLO,
 ) -> Response:
     """Admit, queue, then relay: the steps both completion endpoints share."""
-    admitted = await admit(ctx, team, pool, body, prompt_ids, make_plan)
+    admitted = await admit(ctx, team, pool, body, prompt_ids, make_plan, slo=slo)
     inference, plan, headers = admitted.inference, admitted.plan, admitted.headers
     sub = await queue(ctx, inference)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"

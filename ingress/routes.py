@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ingress.pipeline import Context, Team, body_schema, prepare_chat, read_json_body, resolve_pool, serve
-from openai_api.admission import parse_body
+from openai_api.admission import parse_body, slo_from_headers
 from openai_api.errors import InvalidRequest
 from openai_api.openai_types import ChatCompletionRequest, CompletionRequest
 from openai_api.tokenizer import encode_off_loop
@@ -51,15 +51,18 @@ async def list_models(ctx: Context, team: Team) -> dict[str, Any]:
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, ctx: Context, team: Team) -> Response:
     """Checks in cost order: the key (a dependency), the body and its sizes, the prompt's tokens, the
-    pool and quota gate, and only then the schemas (validated and compiled in a check thread)."""
+    pool and quota gate, and only then the schemas (validated and compiled in a check thread). The
+    headers x-slo-ttft-ms and x-slo-tpot-ms set the request's own latency objectives."""
+    slo = slo_from_headers(request.headers)
     raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
     body = parse_body(ChatCompletionRequest, raw)
     pool, prompt_ids, plan = await prepare_chat(ctx, team, body, size)
-    return await serve(ctx, team, pool, body, prompt_ids, "chat", plan)
+    return await serve(ctx, team, pool, body, prompt_ids, "chat", plan, slo)
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request, ctx: Context, team: Team) -> Response:
+    slo = slo_from_headers(request.headers)
     raw, size = await read_json_body(request, ctx.settings.max_body_bytes)
     body = parse_body(CompletionRequest, raw)
     pool = resolve_pool(ctx, team, body.model)
@@ -67,4 +70,4 @@ async def completions(request: Request, ctx: Context, team: Team) -> Response:
     prompt_ids = await encode_off_loop(encode, body.prompt_text(), size)
     if not prompt_ids:
         raise InvalidRequest("The prompt is empty.", param="prompt")
-    return await serve(ctx, team, pool, body, prompt_ids, "text")
+    return await serve(ctx, team, pool, body, prompt_ids, "text", slo=slo)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -11,7 +13,7 @@ from pydantic_core import ErrorDetails
 from openai_api.errors import InvalidRequest
 from openai_api.openai_types import GenerationFields
 from queue_schemas.config import PoolConfig
-from queue_schemas.messages import InferenceRequest, SamplingParams, StructuredOutput
+from queue_schemas.messages import MAX_SLO_MS, InferenceRequest, SamplingParams, StructuredOutput
 from queue_schemas.prefix import block_hashes, cache_salt
 
 B = TypeVar("B", bound=BaseModel)
@@ -45,6 +47,40 @@ def completion_tokens_allowed(body: GenerationFields, pool: PoolConfig, prompt_t
     return requested
 
 
+SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")  # llm-d's names for a request's latency objectives
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A request's own latency objectives, in ms (None: the pool's)."""
+
+    ttft_ms: int | None = None
+    tpot_ms: int | None = None
+
+
+NO_SLO = Slo()
+
+
+def slo_from_headers(headers: Mapping[str, str]) -> Slo:
+    """The SLO headers of a request: whole milliseconds in 1..600,000; anything else is a 400 naming the
+    header."""
+    values: list[int | None] = []
+    for name in SLO_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            values.append(None)
+            continue
+        text = raw.strip()
+        if not text.isascii() or not text.isdigit() or not 0 < int(text) <= MAX_SLO_MS:
+            raise InvalidRequest(
+                f"The header {name} must be a whole number of milliseconds from 1 to {MAX_SLO_MS:,}.",
+                param=name,
+                code="invalid_slo",
+            )
+        values.append(int(text))
+    return Slo(values[0], values[1])
+
+
 def build_request(
     body: GenerationFields,
     pool: PoolConfig,
@@ -57,6 +93,7 @@ def build_request(
     structured: StructuredOutput | None = None,
     key_id: str | None = None,
     keep_log_s: int = 0,
+    slo: Slo = NO_SLO,
 ) -> InferenceRequest:
     max_tokens = completion_tokens_allowed(body, pool, len(prompt_token_ids))
     sampling = SamplingParams(
@@ -87,6 +124,8 @@ def build_request(
         start_by=now + min(pool.queue_timeout_s, timeout_s),
         deadline=now + timeout_s,
         keep_log_s=keep_log_s,
+        ttft_slo_ms=slo.ttft_ms,
+        tpot_slo_ms=slo.tpot_ms,
     )
 
 

@@ -83,6 +83,15 @@ class InsufficientQuota(ApiError):
     code = "insufficient_quota"
 
 
+class Overloaded(ApiError):
+    """429 for a sheddable (flex) request refused because no worker could serve it within its SLO now;
+    a later retry may be served."""
+
+    status = 429
+    type = "requests"
+    code = "resource_unavailable"
+
+
 class ServiceUnavailable(ApiError):
     status = 503
     type = "server_error"
@@ -99,6 +108,7 @@ _BUS_CODE_TO_ERROR: dict[str, type[ApiError]] = {
     ErrorCode.TIMEOUT: Timeout,
     ErrorCode.BAD_REQUEST: InvalidRequest,
     ErrorCode.WORKER_LOST: ServiceUnavailable,
+    ErrorCode.OVERLOADED: Overloaded,
 }
 
 

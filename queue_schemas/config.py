@@ -237,6 +237,31 @@ class ScalingConfig(BaseModel):
         return self.max_replicas > 0 and (self.min_replicas > 0 or self.scale_to_zero)
 
 
+class LatencyConfig(BaseModel):
+    """The pool's latency targets and the latency model's priors (dispatcher.latency), until its workers
+    report their own figures."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_slo_ms: int = Field(
+        default=2000, gt=0, le=600_000, description="time to first token, for a request that states none"
+    )
+    tpot_slo_ms: int = Field(
+        default=100, gt=0, le=600_000, description="time per output token, for a request that states none"
+    )
+    slo_hold_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=600,
+        description="how long an interactive request no worker can serve within its TTFT SLO is held for "
+        "one that can (0: placed at once where predicted soonest)",
+    )
+    prefill_tokens_per_s: float = Field(
+        default=8000.0, gt=0, description="prior: prompt tokens a worker computes per second"
+    )
+    step_ms: float = Field(default=30.0, gt=0, description="prior: a decode step")
+
+
 class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -288,6 +313,7 @@ class PoolConfig(BaseModel):
     simulated: SimulatedEngineConfig = SimulatedEngineConfig()
     vllm: VllmEngineConfig | None = None
     scaling: ScalingConfig = ScalingConfig()
+    latency: LatencyConfig = LatencyConfig()
     disaggregation: DisaggregationConfig | None = Field(
         default=None, description="prefill on prefill workers, decode on the others (needs scaling.prefill)"
     )

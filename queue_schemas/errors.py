@@ -9,6 +9,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"  # the engine failed while generating
     WORKER_LOST = "worker_lost"  # the worker serving it went away mid-stream
     BAD_REQUEST = "bad_request"  # the message was valid on the wire but cannot be served
+    OVERLOADED = "overloaded"  # a sheddable request no worker could serve within its TTFT SLO
 
 
 class SchemaError(ValueError):

@@ -138,6 +138,21 @@ class Handoff(BaseModel):
     wait_s: float = Field(gt=0, le=600, description="how long the decode worker waits for the KV")
 
 
+MAX_SLO_MS = 600_000
+
+
+class PlacementNote(BaseModel):
+    """What the placing dispatcher predicted for the request on the worker it chose (dispatcher.latency),
+    for the worker to compare with its first token. Set by that dispatcher (whatever a record arrives
+    with is dropped)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    placed_at: float = Field(description="epoch seconds of the placement")
+    predicted_ttft_s: float = Field(ge=0, le=86_400, description="the model's TTFT, uncorrected")
+    uncached_tokens: int = Field(ge=0, description="prompt tokens the worker was expected to compute")
+
+
 class InferenceRequest(Message):
     """One admitted request, produced to requests.<pool> (or batch.<pool>)."""
 
@@ -186,6 +201,13 @@ class InferenceRequest(Message):
         description="how long past its deadline its replay log is kept (a stored response's events); "
         "0: a couple of minutes after it ends",
     )
+    ttft_slo_ms: int | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS, description="its time-to-first-token SLO (None: the pool's)"
+    )
+    tpot_slo_ms: int | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS, description="its time-per-output-token SLO (None: the pool's)"
+    )
+    placement: PlacementNote | None = Field(default=None, description="set by the placing dispatcher")
 
     @model_validator(mode="after")
     def _kafka_reply_needs_ticket(self) -> InferenceRequest:
