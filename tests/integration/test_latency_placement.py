@@ -98,8 +98,8 @@ async def inbox_copy(p: Pipeline, rid: str) -> InferenceRequest:
     inboxes = [p.settings.names.inbox(w) for w in ("w0", "w1")]
     while True:
         for inbox in inboxes:
-            for _, fields in await p.redis.xrange(inbox):
-                req = decode(InferenceRequest, fields[INBOX_FIELD])
+            for _, fields in await p.redis.xrange(inbox) or []:
+                req = decode(InferenceRequest, (fields or {})[INBOX_FIELD])
                 if req.request_id == rid:
                     return req
         await asyncio.sleep(0.005)
@@ -181,7 +181,7 @@ async def test_a_request_no_worker_can_serve_within_its_slo_is_held_until_one_ca
         await send(p, urgent)
         await asyncio.sleep(0.6)
         assert not await p.redis.exists(names.placement(urgent.request_id)), "placed where it would miss"
-        first_at, final = await waiter
+        first_at, _ = await waiter
         placed = await asyncio.wait_for(copy, 1)
         assert placed.placement is not None
         held_s = placed.placement.placed_at - sent_at
