@@ -19,7 +19,7 @@ from dispatcher.latency import LatencyDefaults, backlog_now, predicted_ttft
 from plumbing.state import read_heartbeats
 from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig
-from queue_schemas.messages import FinalChunk, Heartbeat, InferenceRequest, TokenChunk
+from queue_schemas.messages import FinalChunk, Heartbeat, InferenceRequest, PlacementNote, TokenChunk
 from queue_schemas.names import INBOX_FIELD
 from queue_schemas.prefix import block_hashes
 from tests.conftest import Bus
@@ -140,6 +140,9 @@ async def test_a_request_leaves_its_prefix_for_the_worker_predicted_to_answer_so
         await eventually(lambda: _backlog(p, "w0", 12_000), 10, "w0's heartbeat shows the load")
 
         probe = with_prefix("req-lat-probe-0001", prefix, seed=2)
+        # A record's own note is not believed: the dispatcher writes its own.
+        forged = PlacementNote(placed_at=0.0, predicted_ttft_s=0.0, uncached_tokens=0)
+        probe = probe.model_copy(update={"placement": forged})
         seen = await beats(p)
         now = time.time()
         on_w0 = predicted_now(seen["w0"], 40, now)  # its prefix is cached there
