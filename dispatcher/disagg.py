@@ -3,14 +3,16 @@ simulator call the same code.
 
 The decode side is placed first (placement.choose, over the decode workers): that is where the KV will
 live and where the prefix index says how much of the prompt is cached. Then, in `auto` mode, the two
-ways of running the uncached prompt are priced in seconds:
+ways of running the uncached prompt are priced in seconds with the placement's latency model
+(plumbing.latency):
 
-- here: the decode worker prefills it at its own rate; its first token waits that long, and so does the
-  next token of every request already running there (a prefill step stalls the decode batch) and the
-  start of every request waiting there;
-- split: the prefill worker first finishes what is queued at it, computes the prompt less what it has
-  cached itself, and the KV of the whole prompt is moved (a fixed cost plus a cost per token); loading
-  it stalls the decode worker's running requests only for the transfer.
+- here: the decode worker's predicted time to first token, the prefill queued there ahead of the
+  prompt's uncached tokens included; and the prompt's prefill time stalls the next token of every
+  request already running there and the start of every request waiting there;
+- split: the prefill worker's predicted time to first token for the prompt less what it has cached
+  itself (its own queue ahead of it), then the KV of the whole prompt moved (a fixed cost plus a cost
+  per token) and the decode worker's next step; loading it stalls the decode worker's running requests
+  only for the transfer.
 
 Each side's cost is its first-token time plus `stall_weight` times the stall it puts on other requests;
 the request is split when that is lower and at least `min_uncached_tokens` are uncached. `threshold` is
@@ -23,6 +25,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from plumbing.latency import predicted_ttft, prefill_s
 from queue_schemas.config import DisaggregationConfig
 from queue_schemas.messages import Heartbeat, WorkerState
 
@@ -56,6 +59,10 @@ class SplitCase:
     prefill_cached: int = 0
     prefill_backlog: int = 0  # prompt tokens queued at the prefill worker
     prefill_rate: float = 1.0
+    decode_backlog: int = 0  # uncached prompt tokens queued at the decode worker
+    decode_step_s: float = 0.0  # a decode step on each side (0: not known, no step time counted)
+    prefill_step_s: float = 0.0
+    chunk_tokens: int = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +75,16 @@ class SplitVerdict:
 
 def costs(case: SplitCase, config: DisaggregationConfig) -> tuple[float, float]:
     """The cost in seconds of prefilling on the decode worker, and of the split (see the module doc)."""
-    uncached = max(0, case.prompt_tokens - case.decode_cached)
-    here = uncached / max(case.decode_rate, 1e-9)
-    local = here + config.stall_weight * (case.decode_running + case.decode_waiting) * here
+    uncached = max(1, case.prompt_tokens - case.decode_cached)
+    chunk = case.chunk_tokens
+    here = float(predicted_ttft(uncached, case.decode_backlog, case.decode_rate, case.decode_step_s, chunk))
+    stall = float(prefill_s(uncached, case.decode_rate, case.decode_step_s, chunk))
+    local = here + config.stall_weight * (case.decode_running + case.decode_waiting) * stall
     transfer = config.transfer_fixed_s + config.transfer_s_per_token * case.prompt_tokens
-    compute = max(0, case.prompt_tokens - case.prefill_cached) / max(case.prefill_rate, 1e-9)
-    wait = case.prefill_backlog / max(case.prefill_rate, 1e-9)
-    split = wait + compute + transfer + config.stall_weight * case.decode_running * transfer
+    computed = max(1, case.prompt_tokens - case.prefill_cached)
+    prefilled = predicted_ttft(computed, case.prefill_backlog, case.prefill_rate, case.prefill_step_s, chunk)
+    first = float(prefilled) + transfer + 1.5 * case.decode_step_s  # then a decode step brings the token
+    split = first + config.stall_weight * case.decode_running * transfer
     return local, split
 
 
@@ -135,6 +145,7 @@ def split_case(
     side: PrefillSide,
     config: DisaggregationConfig,
     decode_waiting: int = 0,
+    decode_backlog: int = 0,
 ) -> SplitCase:
     """The case for one decode worker and one prefill worker. A decode worker that has not measured its
     prefill rate is taken to prefill as fast as the prefill worker (the same model on the same kind of
@@ -149,4 +160,7 @@ def split_case(
         prefill_cached=side.matched_tokens,
         prefill_backlog=side.backlog(),
         prefill_rate=side_rate,
+        decode_backlog=decode_backlog,
+        decode_step_s=decode.step_s,
+        prefill_step_s=side.heartbeat.step_s,
     )

@@ -3,7 +3,7 @@
 Hard filters first (ready, fresh heartbeat, enough free KV blocks for the uncached prompt plus the
 expected output after a reserve, queue under its depth; batch requests also leave spare KV blocks and
 running slots). Then, with the `latency` objective (the default), the worker with the lowest predicted
-time to first token (dispatcher.latency: the prefill queued there, the request's own uncached tokens,
+time to first token (plumbing.latency: the prefill queued there, the request's own uncached tokens,
 the wait for a slot, an adapter to load), among those where the requests running would keep their
 inter-token SLO; an interactive request that no worker can serve within its TTFT SLO is held for up to
 `slo_hold_s` (placed at once if it is sheddable and refused instead). With the `score` objective, the
@@ -23,8 +23,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from dispatcher.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from dispatcher.scorers import Candidates, default_weights, weighted_sum, weights_problem
+from plumbing.latency import LatencyDefaults, heartbeat_ttft, itl_after
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 
@@ -216,17 +216,14 @@ def predicted_row(
     worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy
 ) -> tuple[float, float, float]:
     """The latency model on one worker: (corrected TTFT, uncorrected TTFT, ITL of its running requests
-    after), all in seconds (dispatcher.latency)."""
+    after), all in seconds (plumbing.latency)."""
     hb, d = worker.heartbeat, policy.latency
-    rate = hb.prefill_tokens_per_s if hb.prefill_tokens_per_s > 0 else d.prefill_tokens_per_s
-    step = hb.step_s if hb.step_s > 0 else d.step_s
-    own = float(uncached_tokens(demand, worker.matched_blocks, hb.block_size))
-    wait = float(slot_wait_s(float(worker.load), float(hb.max_running), hb.completed_per_s))
-    queued = hb.prefill_backlog + worker.in_flight_tokens
-    backlog = float(backlog_now(queued, now - hb.sent_at, rate, step, d.chunk_tokens))
-    raw = float(predicted_ttft(own, backlog, rate, step, d.chunk_tokens, wait))
+    own = uncached_tokens(demand, worker.matched_blocks, hb.block_size)
+    _, raw = heartbeat_ttft(hb, own, now, d, worker.in_flight_tokens, worker.in_flight)
     raw += 0.0 if holds_adapter(worker, demand) else d.adapter_load_s
-    itl = float(itl_after(own, rate, step, policy.expected_output_tokens))
+    rate = hb.prefill_tokens_per_s or d.prefill_tokens_per_s
+    step = hb.step_s or d.step_s
+    itl = float(itl_after(float(own), rate, step, policy.expected_output_tokens))
     return raw * hb.ttft_correction, raw, itl
 
 

@@ -175,7 +175,8 @@ class Placing(Ending):
             metrics.SPLITS.labels(self.pool, "local", "no prefill worker ready").inc()
             return None
         waiting = self.view.waiting(decode_worker)
-        case = split_case(prompt, decode, matched_blocks * self.block_size, side, config, waiting)
+        backlog = self.view.prefill_work(decode_worker, time.time())
+        case = split_case(prompt, decode, matched_blocks * self.block_size, side, config, waiting, backlog)
         verdict = decide_split(case, config)
         metrics.SPLITS.labels(self.pool, "split" if verdict.split else "local", verdict.reason).inc()
         if not verdict.split:

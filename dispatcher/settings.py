@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dispatcher.latency import LatencyDefaults
 from dispatcher.placement import PlacementPolicy
 from dispatcher.scorers import default_weights, weights_problem
+from plumbing.latency import LatencyDefaults
 from queue_schemas.config import LatencyConfig
 from queue_schemas.settings import BusSettings
 
@@ -50,7 +50,7 @@ class DispatcherSettings(BusSettings):
     objective: Literal["latency", "score"] = Field(
         default="latency",
         description="latency: the worker with the lowest predicted time to first token "
-        "(dispatcher.latency); score: the highest weighted sum of the scorers",
+        "(plumbing.latency); score: the highest weighted sum of the scorers",
     )
     scorer_weights: dict[str, float] = Field(
         default_factory=default_weights,

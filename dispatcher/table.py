@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from dispatcher.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from dispatcher.placement import (
     AFFINITY_REASON,
     SHED_REASON,
@@ -27,6 +26,7 @@ from dispatcher.placement import (
     waits_for_affinity,
 )
 from dispatcher.scorers import Candidates, Floats, weighted_sum
+from plumbing.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 COLUMNS = (

@@ -13,12 +13,12 @@ import redis.asyncio as aioredis
 import structlog
 
 from dispatcher.disagg import PrefillSide
-from dispatcher.latency import LatencyDefaults
 from dispatcher.placement import Decision, Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex
 from dispatcher.scorers import Floats
 from dispatcher.table import WorkerTable, choose_fast
 from plumbing.clients import xread_any
+from plumbing.latency import LatencyDefaults
 from plumbing.state import read_heartbeats
 from queue_schemas.codec import decode
 from queue_schemas.errors import SchemaError
@@ -106,6 +106,11 @@ class WorkerView:
             return 0
         since = sum(1 for p in self._placed[worker_id] if p[0] > hb.sent_at)
         return hb.waiting + hb.inbox_pending + since
+
+    def prefill_work(self, worker_id: str, now: float) -> int:
+        """Uncached prompt tokens queued at a worker now, as the latency model counts them."""
+        row = self.table.row.get(worker_id)
+        return 0 if row is None else round(float(self.table.work_at(now)[row]))
 
     def prefill_sides(self, block_hashes: Sequence[str]) -> list[PrefillSide]:
         """The pool's prefill workers, with the prompt tokens sent to each since its heartbeat and how

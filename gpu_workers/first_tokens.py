@@ -1,4 +1,4 @@
-"""What a worker reports for the dispatcher's latency model (dispatcher.latency). Pure: the worker feeds it
+"""What a worker reports for the dispatcher's latency model (plumbing.latency). Pure: the worker feeds it
 as requests arrive, start producing and end; the heartbeat reads it.
 
 - the prefill backlog: uncached prompt tokens of the requests it holds that have no first token yet
@@ -10,7 +10,7 @@ as requests arrive, start producing and end; the heartbeat reads it.
 
 from __future__ import annotations
 
-from dispatcher.latency import Correction
+from plumbing.latency import Correction
 from queue_schemas.messages import InferenceRequest, PlacementNote
 
 STEP_WEIGHT = 0.05  # per token gap: about the last few hundred tokens

@@ -238,7 +238,7 @@ class ScalingConfig(BaseModel):
 
 
 class LatencyConfig(BaseModel):
-    """The pool's latency targets and the latency model's priors (dispatcher.latency), until its workers
+    """The pool's latency targets and the latency model's priors (plumbing.latency), until its workers
     report their own figures."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

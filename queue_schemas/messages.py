@@ -142,7 +142,7 @@ MAX_SLO_MS = 600_000
 
 
 class PlacementNote(BaseModel):
-    """What the placing dispatcher predicted for the request on the worker it chose (dispatcher.latency),
+    """What the placing dispatcher predicted for the request on the worker it chose (plumbing.latency),
     for the worker to compare with its first token. Set by that dispatcher (whatever a record arrives
     with is dropped)."""
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from plumbing.latency import LatencyDefaults, heartbeat_ttft
 from queue_schemas.messages import Heartbeat
 
 if TYPE_CHECKING:
@@ -82,8 +83,18 @@ def handoff_figures(totals: Mapping[str, int]) -> dict[str, Any]:
     return {"disaggregated": count, "fallbacks": fallback, "mean_handoff_s": mean}
 
 
+TYPICAL_UNCACHED = 512  # prompt tokens to compute, for the predicted TTFT the dashboard shows
+
+
+def typical_ttft(hb: Heartbeat, now: float) -> float:
+    """The placement's predicted time to first token on the worker for a request with 512 uncached
+    prompt tokens (plumbing.latency, with the default priors where the worker has not measured)."""
+    return heartbeat_ttft(hb, TYPICAL_UNCACHED, now, LatencyDefaults())[0]
+
+
 def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
-    """One worker's line: KV use, running and waiting requests, prefix-cache hits, LoRA adapters held."""
+    """One worker's line: KV use, running and waiting requests, prefix-cache hits, LoRA adapters held,
+    and the latency model's prediction for a typical request there with its recent error."""
     total = hb.kv_blocks_total
     return {
         "worker": hb.worker_id,
@@ -97,6 +108,9 @@ def worker_row(hb: Heartbeat, now: float) -> dict[str, Any]:
         else None,
         "decode_tokens_per_s": round(hb.decode_tokens_per_s, 1),
         "prefill_tokens_per_s": round(hb.prefill_tokens_per_s, 1),
+        "prefill_backlog": hb.prefill_backlog,
+        "predicted_ttft_s": round(typical_ttft(hb, now), 4),
+        "ttft_error": round(hb.ttft_error, 4),
         "completed_per_s": round(hb.completed_per_s, 3),
         "preemptions": hb.preemptions,
         "adapters": list(hb.adapters),

@@ -71,8 +71,9 @@ class SplitResult:
 
 
 def prefill_rate(model: TimingModel) -> float:
-    """Prompt tokens per second of a replica prefilling alone (what a worker measures from its jobs)."""
-    return model.chunk_tokens / (model.decode_base_s + model.prefill_per_token_s * model.chunk_tokens)
+    """Prompt tokens per second of prefill compute (what a worker measures from its jobs); the latency
+    model adds a step per chunk."""
+    return 1 / model.prefill_per_token_s
 
 
 def config_for(run: SplitRun, model: TimingModel) -> DisaggregationConfig:
@@ -98,7 +99,9 @@ class SplitFleet:
         self.prefill = [Replica(len(self.decode) + i, model) for i in range(run.prefill)]
         self.by_index = {r.index: r for r in self.decode + self.prefill}
         self.rng = random.Random(seed)
-        self.policy = PlacementPolicy()
+        # This fleet has no hold: the decode side is placed at once, where the model predicts the first
+        # token soonest (no wait for a busy worker holding the prefix, none for an SLO).
+        self.policy = PlacementPolicy(slo_hold_s=0.0, spill_after_s=0.0)
         self.result = SplitResult(run)
         self._heap: list[tuple[float, int, int, object]] = []
         self._order = itertools.count()
@@ -213,8 +216,17 @@ class SplitFleet:
             prefill_cached=side.matched_tokens,
             prefill_backlog=side.backlog(),
             prefill_rate=prefill_rate(decode.model),
+            decode_backlog=decode.prefill_tokens(),
+            decode_step_s=step_s(decode),
+            prefill_step_s=step_s(self.by_index[int(side.worker_id[1:])]),
+            chunk_tokens=decode.model.chunk_tokens,
         )
         return decide_split(case, self.config).split
+
+
+def step_s(replica: Replica) -> float:
+    """A decode step at the replica's running batch, as its worker reports it."""
+    return replica.model.decode_base_s + replica.model.decode_per_seq_s * replica.scheduled
 
 
 @dataclass

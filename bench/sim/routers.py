@@ -23,11 +23,11 @@ import numpy as np
 
 from bench.sim.engine import Request, leading_cached
 from bench.sim.views import ReplicaView
-from dispatcher.latency import Correction
 from dispatcher.placement import Demand, PlacementPolicy
 from dispatcher.scorers import default_weights
 from dispatcher.table import WorkerTable, choose_fast, refused_by_all
 from gpu_workers.prefix_cache import PrefixCache
+from plumbing.latency import Correction
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 

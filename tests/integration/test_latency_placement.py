@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.latency import LatencyDefaults, backlog_now, predicted_ttft
+from plumbing.latency import LatencyDefaults, backlog_now, predicted_ttft
 from plumbing.state import read_heartbeats
 from queue_schemas.codec import decode, decode_stream_event, encode
 from queue_schemas.config import SimulatedEngineConfig

@@ -107,3 +107,26 @@ def test_lag_tables_fit_an_80_column_terminal_without_squashing_the_numbers() ->
     assert any("12345" in line and "WARN" in line and "2/4 +1" in line for line in lines)
     decision = [line for line in lines if "forecast above capacity" in line]
     assert len(decision) == 1  # the decision has its own line, not a wrapped column
+
+
+def test_each_worker_shows_the_predicted_ttft_of_a_typical_request_and_the_models_error() -> None:
+    r = report(0, 1, workers=2)
+    r.workers[0] = r.workers[0].model_copy(
+        update={"prefill_backlog": 0, "prefill_tokens_per_s": 4096.0, "step_s": 0.02, "ttft_error": 0.12}
+    )
+    r.workers[1] = r.workers[1].model_copy(
+        update={
+            "prefill_backlog": 7680,
+            "prefill_tokens_per_s": 4096.0,
+            "step_s": 0.02,
+            "ttft_correction": 2.0,
+        }
+    )
+    (pool,) = dashboard_body({"chat": r}, {}, 999.0)["pools"]  # w1's heartbeat is 0 s old then
+    w0, w1 = pool["workers"]
+    # 512 tokens at 4,096/s, half the step in progress and one step per 2,048-token chunk.
+    assert w0["predicted_ttft_s"] == round(0.01 + 0.125 + 0.02, 4)
+    assert w0["ttft_error"] == 0.12
+    # Behind 7,680 queued tokens: 8,192 at 4,096/s and four chunks, doubled by the worker's correction.
+    assert w1["predicted_ttft_s"] == round(2 * (0.01 + 2.0 + 0.08), 4)
+    assert w1["prefill_backlog"] == 7680

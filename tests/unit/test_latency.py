@@ -1,4 +1,4 @@
-"""The latency model (dispatcher.latency), the latency objective of placement, and what a worker reports
+"""The latency model (plumbing.latency), the latency objective of placement, and what a worker reports
 for it (gpu_workers.first_tokens)."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dispatcher.latency import Correction, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from dispatcher.placement import (
     AFFINITY_REASON,
     SHED_REASON,
@@ -26,6 +25,7 @@ from dispatcher.table import WorkerTable, choose_over
 from gpu_workers.first_tokens import FirstTokenLedger
 from openai_api.admission import slo_from_headers
 from openai_api.errors import InvalidRequest
+from plumbing.latency import Correction, backlog_now, itl_after, predicted_ttft, slot_wait_s
 from queue_schemas.messages import Heartbeat, PlacementNote, Priority, Tier, WorkerState
 from tests.integration.helpers import make_request
 

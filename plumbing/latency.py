@@ -1,5 +1,6 @@
-"""Predicted latency of a request on a worker, in seconds. Pure: the dispatcher's placement, the fleet
-simulator and the dashboard use the same functions, on scalars or on numpy columns.
+"""Predicted latency of a request on a worker, in seconds. Pure: the dispatcher's placement and split
+decision, the worker's report of its own error, the dashboard and the fleet simulator use the same
+functions, on scalars or on numpy columns.
 
 An engine runs steps. Each decodes one token for every running request and computes up to
 `chunk_tokens` of the prompts waiting to be prefilled, in arrival order (vLLM's chunked prefill). From
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from queue_schemas.messages import Heartbeat
 
 Floats = npt.NDArray[np.float64]
 Number = Floats | float  # every function takes scalars or columns, and answers an array of either shape
@@ -121,3 +124,23 @@ class Correction:
         self.log_ratio += w * max(-1.0, min(1.0, ratio - self.log_ratio))
         self.error = miss if self.samples == 0 else (1 - self.weight) * self.error + self.weight * miss
         self.samples += 1
+
+
+def heartbeat_ttft(
+    hb: Heartbeat,
+    uncached: int,
+    now: float,
+    defaults: LatencyDefaults,
+    extra_tokens: int = 0,
+    extra_requests: int = 0,
+) -> tuple[float, float]:
+    """(corrected, uncorrected) predicted TTFT on the worker of `hb` for a request with `uncached` tokens
+    to compute, `extra_tokens` and `extra_requests` placed there since the heartbeat."""
+    rate = hb.prefill_tokens_per_s or defaults.prefill_tokens_per_s
+    step = hb.step_s or defaults.step_s
+    queued = hb.prefill_backlog + extra_tokens
+    backlog = float(backlog_now(queued, now - hb.sent_at, rate, step, defaults.chunk_tokens))
+    load = hb.running + hb.waiting + hb.inbox_pending + extra_requests
+    wait = float(slot_wait_s(float(load), float(hb.max_running), hb.completed_per_s))
+    raw = float(predicted_ttft(float(uncached), backlog, rate, step, defaults.chunk_tokens, wait))
+    return raw * hb.ttft_correction, raw
