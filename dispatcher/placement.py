@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dispatcher.scorers import Candidates, default_weights, weighted_sum, weights_problem
-from plumbing.latency import LatencyDefaults, heartbeat_ttft, itl_after
+from plumbing.latency import LatencyDefaults, heartbeat_ttft, itl_after, predicted_ttft
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 
@@ -214,17 +214,19 @@ def uncached_tokens(demand: Demand, matched_blocks: int, block_size: int) -> int
 
 def predicted_row(
     worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """The latency model on one worker: (corrected TTFT, uncorrected TTFT, ITL of its running requests
-    after), all in seconds (plumbing.latency)."""
+    after, corrected TTFT were nothing queued there), all in seconds (plumbing.latency)."""
     hb, d = worker.heartbeat, policy.latency
     own = uncached_tokens(demand, worker.matched_blocks, hb.block_size)
     _, raw = heartbeat_ttft(hb, own, now, d, worker.in_flight_tokens, worker.in_flight)
-    raw += 0.0 if holds_adapter(worker, demand) else d.adapter_load_s
+    adapter_s = 0.0 if holds_adapter(worker, demand) else d.adapter_load_s
+    raw += adapter_s
     rate = hb.prefill_tokens_per_s or d.prefill_tokens_per_s
     step = hb.step_s or d.step_s
     itl = float(itl_after(float(own), rate, step, policy.expected_output_tokens))
-    return raw * hb.ttft_correction, raw, itl
+    alone = float(predicted_ttft(float(own), 0.0, rate, step, d.chunk_tokens)) + adapter_s
+    return raw * hb.ttft_correction, raw, itl, alone * hb.ttft_correction
 
 
 def latency_choice(
@@ -235,11 +237,14 @@ def latency_choice(
     demand: Demand,
     policy: PlacementPolicy,
     rng: random.Random,
+    alone: npt.NDArray[np.float64] | None = None,
 ) -> tuple[int | None, str]:
     """The row with the lowest predicted TTFT among those that can take the request (`fit`, at least
     one), preferring rows where the running requests keep their ITL SLO; or None and why it waits:
     an eligible row that cannot take it now (`busy`) would serve it sooner by more than `spill_tokens`
-    of prefill, or no row meets its TTFT SLO (interactive requests only)."""
+    of prefill, or no row meets its TTFT SLO (interactive requests only). Waiting can only help where
+    the queues cause the miss: a request that no row could serve within its SLO with nothing queued
+    (`alone`, the TTFT with an empty queue) is placed at once."""
     rows = np.flatnonzero(fit)
     if demand.priority is Priority.INTERACTIVE:
         keep = rows[itl[rows] <= (demand.tpot_slo_s or policy.tpot_slo_s)]
@@ -249,7 +254,9 @@ def latency_choice(
         spill_s = policy.spill_tokens / policy.latency.prefill_tokens_per_s
         if float(ttft[busy].min()) + spill_s <= best:
             return None, AFFINITY_REASON
-    if demand.priority is Priority.INTERACTIVE and best > (demand.ttft_slo_s or policy.ttft_slo_s):
+    slo = demand.ttft_slo_s or policy.ttft_slo_s
+    queues_miss = alone is None or float(alone[rows].min()) <= slo
+    if demand.priority is Priority.INTERACTIVE and best > slo and queues_miss:
         if demand.sheddable:
             return None, SHED_REASON
         if demand.waited_s < policy.slo_hold_s:
@@ -331,7 +338,8 @@ def choose_by_latency(
     itl = np.array([r[2] for r in rows])
     fit = np.array([why is None for _, why in verdicts])
     busy = np.array([why is not None and is_eligible(w, now) for w, why in verdicts])
-    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng)
+    alone = np.array([r[3] for r in rows])
+    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng, alone)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
     winner = verdicts[i][0]

@@ -254,7 +254,12 @@ def by_latency(
     if demand.adapter is not None and adapter_held is not None:
         adapter_s = (1.0 - adapter_held) * policy.latency.adapter_load_s
     raw, itl = predicted_columns(table, uncached, now, policy, adapter_s)
-    i, reason = latency_choice(raw * table.col("correction"), itl, fit, busy, demand, policy, rng)
+    correction = table.col("correction")
+    chunk = table.latency.chunk_tokens
+    alone = (
+        predicted_ttft(uncached, 0.0, table.col("rate"), table.col("step"), chunk) + adapter_s
+    ) * correction
+    i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
     return Decision(table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]))

@@ -226,3 +226,13 @@ def test_the_note_caps_a_prediction_past_a_day_and_is_absent_without_one() -> No
     huge = placement_note(replace(decision, predicted_ttft_s=1e9), NOW)
     assert huge is not None
     assert huge.predicted_ttft_s == 86_400.0
+
+
+def test_a_request_too_long_for_its_slo_even_on_an_idle_worker_is_placed_at_once() -> None:
+    # 128 tokens take 0.06 s on an empty worker: a 10 ms SLO cannot be met by waiting for a queue.
+    busy = WorkerSnapshot(beat("busy", backlog=20_000))
+    for sheddable in (False, True):
+        asked = demand(ttft_slo_s=0.01, sheddable=sheddable)
+        for pick in (choose, choose_over):
+            decision = pick([busy], asked, NOW, POLICY, random.Random(0))
+            assert (decision.worker_id, decision.refused) == ("busy", False)
