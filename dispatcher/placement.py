@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dispatcher.scorers import Candidates, default_weights, weighted_sum, weights_problem
-from plumbing.latency import LatencyDefaults, heartbeat_ttft, itl_after, predicted_ttft
+from plumbing.latency import LatencyDefaults, heartbeat_ttft, itl_after, predicted_ttft, prefill_s
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 
@@ -59,6 +59,9 @@ class PlacementPolicy:
     # How long an interactive request that no worker can serve within its TTFT SLO waits in the hold
     # for one that can, before it goes to the one predicted soonest.
     slo_hold_s: float = 10.0
+    # The latency objective's price of the stall a prefill puts on the requests already at a worker:
+    # seconds of their time per second of its own time to first token.
+    stall_weight: float = 0.02
 
     def __post_init__(self) -> None:
         problem = weights_problem(self.weights)
@@ -214,9 +217,10 @@ def uncached_tokens(demand: Demand, matched_blocks: int, block_size: int) -> int
 
 def predicted_row(
     worker: WorkerSnapshot, demand: Demand, now: float, policy: PlacementPolicy
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, float]:
     """The latency model on one worker: (corrected TTFT, uncorrected TTFT, ITL of its running requests
-    after, corrected TTFT were nothing queued there), all in seconds (plumbing.latency)."""
+    after, corrected TTFT were nothing queued there, the stall its prefill puts on the requests running
+    and waiting there, summed), all in seconds (plumbing.latency)."""
     hb, d = worker.heartbeat, policy.latency
     own = uncached_tokens(demand, worker.matched_blocks, hb.block_size)
     _, raw = heartbeat_ttft(hb, own, now, d, worker.in_flight_tokens, worker.in_flight)
@@ -226,7 +230,8 @@ def predicted_row(
     step = hb.step_s or d.step_s
     itl = float(itl_after(float(own), rate, step, policy.expected_output_tokens))
     alone = float(predicted_ttft(float(own), 0.0, rate, step, d.chunk_tokens)) + adapter_s
-    return raw * hb.ttft_correction, raw, itl, alone * hb.ttft_correction
+    stall = float(prefill_s(float(own), rate, step, d.chunk_tokens)) * worker.load
+    return raw * hb.ttft_correction, raw, itl, alone * hb.ttft_correction, stall
 
 
 def latency_choice(
@@ -238,13 +243,15 @@ def latency_choice(
     policy: PlacementPolicy,
     rng: random.Random,
     alone: npt.NDArray[np.float64] | None = None,
+    stall: npt.NDArray[np.float64] | None = None,
 ) -> tuple[int | None, str]:
     """The row with the lowest predicted TTFT among those that can take the request (`fit`, at least
     one), preferring rows where the running requests keep their ITL SLO; or None and why it waits:
     an eligible row that cannot take it now (`busy`) would serve it sooner by more than `spill_tokens`
     of prefill, or no row meets its TTFT SLO (interactive requests only). Waiting can only help where
     the queues cause the miss: a request that no row could serve within its SLO with nothing queued
-    (`alone`, the TTFT with an empty queue) is placed at once."""
+    (`alone`, the TTFT with an empty queue) is placed at once. Among the rows, the lowest TTFT plus
+    `stall_weight` times the `stall` the request's prefill puts on the others there wins."""
     rows = np.flatnonzero(fit)
     if demand.priority is Priority.INTERACTIVE:
         keep = rows[itl[rows] <= (demand.tpot_slo_s or policy.tpot_slo_s)]
@@ -261,7 +268,8 @@ def latency_choice(
             return None, SHED_REASON
         if demand.waited_s < policy.slo_hold_s:
             return None, SLO_REASON
-    winners = rows[ttft[rows] <= best + 1e-9]
+    cost = ttft[rows] if stall is None else ttft[rows] + policy.stall_weight * stall[rows]
+    winners = rows[cost <= cost.min() + 1e-9]
     return int(winners[rng.randrange(len(winners))]), ""
 
 
@@ -339,7 +347,8 @@ def choose_by_latency(
     fit = np.array([why is None for _, why in verdicts])
     busy = np.array([why is not None and is_eligible(w, now) for w, why in verdicts])
     alone = np.array([r[3] for r in rows])
-    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng, alone)
+    stall = np.array([r[4] for r in rows])
+    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng, alone, stall)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
     winner = verdicts[i][0]

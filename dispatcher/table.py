@@ -26,7 +26,7 @@ from dispatcher.placement import (
     waits_for_affinity,
 )
 from dispatcher.scorers import Candidates, Floats, weighted_sum
-from plumbing.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, slot_wait_s
+from plumbing.latency import LatencyDefaults, backlog_now, itl_after, predicted_ttft, prefill_s, slot_wait_s
 from queue_schemas.messages import Heartbeat, Priority, WorkerState
 
 COLUMNS = (
@@ -255,11 +255,10 @@ def by_latency(
         adapter_s = (1.0 - adapter_held) * policy.latency.adapter_load_s
     raw, itl = predicted_columns(table, uncached, now, policy, adapter_s)
     correction = table.col("correction")
-    chunk = table.latency.chunk_tokens
-    alone = (
-        predicted_ttft(uncached, 0.0, table.col("rate"), table.col("step"), chunk) + adapter_s
-    ) * correction
-    i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone)
+    rate, step, chunk = table.col("rate"), table.col("step"), table.latency.chunk_tokens
+    alone = (predicted_ttft(uncached, 0.0, rate, step, chunk) + adapter_s) * correction
+    stall = prefill_s(uncached, rate, step, chunk) * (table.col("running") + queued(table))
+    i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone, stall)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
     return Decision(table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]))

@@ -2,15 +2,17 @@
 prefill-only, the rest decode workers, and a split policy deciding per request.
 
 Every policy gets the same decode-side placement (`dispatcher.table.choose_over`, what the dispatcher runs,
-over exact replica state) and the same prefill-worker choice (`dispatcher.disagg.choose_prefill`); only
-the split decision differs:
+over exact replica state; a request it holds waits in a first-come-first-served hold, retried whenever
+a request finishes) and the same prefill-worker choice
+(`dispatcher.disagg.choose_prefill`); only the split decision differs:
 
 - `never`: no prefill workers; all `gpus` replicas serve whole requests (the aggregated baseline);
 - `always`: every request's prompt runs on a prefill worker;
 - `threshold:T`: llm-d's rule, split when the prompt's uncached part on the chosen decode worker is at
   least T tokens;
-- `auto`: sluice's decision (`dispatcher.disagg.decide_split`), from the decode worker's cached prefix,
-  running requests and prefill rate and the prefill worker's queue, cache and rate.
+- `auto`: sluice's decision (`dispatcher.disagg.decide_split`): both sides priced with the placement's
+  latency model, from the decode worker's cached prefix, queued prefill, running requests and rates and
+  the prefill worker's queue, cache and rates.
 
 A split request runs on its prefill worker as a one-token request (the worker's own prefix cache
 applies), then after the KV transfer (`fixed_s` plus `per_token_s` for each prompt token) it is placed
@@ -26,6 +28,7 @@ import itertools
 import math
 import random
 import statistics
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -35,7 +38,7 @@ from bench.sim.metrics import ITL_SLO_S, TTFT_SLO_S, Sketch
 from bench.sim.routers import heartbeat
 from bench.sim.workloads import Workload, bursty_code, multi_turn, shared_prefix
 from dispatcher.disagg import PrefillSide, SplitCase, choose_prefill, decide_split
-from dispatcher.placement import Demand, PlacementPolicy, WorkerSnapshot, least_loaded
+from dispatcher.placement import Demand, PlacementPolicy, WorkerSnapshot
 from dispatcher.table import choose_over
 from queue_schemas.config import DisaggregationConfig
 
@@ -99,13 +102,14 @@ class SplitFleet:
         self.prefill = [Replica(len(self.decode) + i, model) for i in range(run.prefill)]
         self.by_index = {r.index: r for r in self.decode + self.prefill}
         self.rng = random.Random(seed)
-        # This fleet has no hold: the decode side is placed at once, where the model predicts the first
-        # token soonest (no wait for a busy worker holding the prefix, none for an SLO).
-        self.policy = PlacementPolicy(slo_hold_s=0.0, spill_after_s=0.0)
+        # The dispatcher's placement, holds included (for a worker that can take it, for the busy worker
+        # holding its prefix, for one that meets its SLO).
+        self.policy = PlacementPolicy()
         self.result = SplitResult(run)
         self._heap: list[tuple[float, int, int, object]] = []
         self._order = itertools.count()
         self._jobs: dict[int, tuple[Request, int]] = {}  # prefill job rid -> (request, decode replica)
+        self._held: deque[Request] = deque()  # what the dispatcher holds, oldest first
 
     def _push(self, t: float, kind: int, arg: object) -> None:
         heapq.heappush(self._heap, (t, next(self._order), kind, arg))
@@ -126,7 +130,8 @@ class SplitFleet:
             if kind == ARRIVAL:
                 assert isinstance(arg, Request)
                 outstanding += 1
-                self._arrive(arg, t)
+                if self._held or not self._arrive(arg, t):
+                    self._held.append(arg)  # behind what is held already, first come first served
             elif kind == HANDOFF:
                 assert isinstance(arg, tuple)
                 request, index = arg
@@ -147,6 +152,8 @@ class SplitFleet:
                         continue
                     outstanding -= 1
                     self._record(done)
+                while self._held and self._arrive(self._held[0], t):
+                    self._held.popleft()
                 for r in self.decode + self.prefill:
                     self._post(r)
         self.result.unfinished = outstanding
@@ -164,8 +171,11 @@ class SplitFleet:
             self.result.itl.add(itl)
         self.result.good += ttft <= TTFT_SLO_S and itl <= ITL_SLO_S
 
-    def _arrive(self, request: Request, now: float) -> None:
+    def _arrive(self, request: Request, now: float) -> bool:
+        """Place the request (split or whole); False when no decode worker can take it now."""
         decode = self._choose_decode(request, now)
+        if decode is None:
+            return False
         side = self._choose_prefill(request, now)
         if side is not None and self._splits(request, decode, side, now):
             self.result.split += 1
@@ -174,20 +184,24 @@ class SplitFleet:
             self._jobs[job.rid] = (request, decode.index)
             prefill.place(job, now)
             self._post(prefill)
-            return
+            return True
         decode.place(request, now)
         self._post(decode)
+        return True
 
     def _snapshot(self, replica: Replica, request: Request, now: float) -> WorkerSnapshot:
         return WorkerSnapshot(heartbeat(replica, now, 0), matched_blocks=replica.matched(request.blocks))
 
-    def _choose_decode(self, request: Request, now: float) -> Replica:
+    def _choose_decode(self, request: Request, now: float) -> Replica | None:
+        """The decode worker the dispatcher's placement picks, or None: it holds the request until a
+        request finishes somewhere."""
         snapshots = [self._snapshot(r, request, now) for r in self.decode]
-        demand = Demand(request.prompt_tokens, request.blocks, request.max_tokens or 256)
+        waited = now - request.arrival
+        demand = Demand(request.prompt_tokens, request.blocks, request.max_tokens or 256, waited_s=waited)
         decision = choose_over(snapshots, demand, now, self.policy, self.rng)
-        worker = decision.worker_id or least_loaded(snapshots, now, self.rng)
-        assert worker is not None
-        return self.by_index[int(worker[1:])]
+        if decision.worker_id is None:
+            return None
+        return self.by_index[int(decision.worker_id[1:])]
 
     def _choose_prefill(self, request: Request, now: float) -> PrefillSide | None:
         if not self.prefill:

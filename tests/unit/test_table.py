@@ -114,7 +114,8 @@ def test_fast_and_reference_agree(
         return
     if objective == "latency":
         predicted = {s.worker_id: predicted_row(s, demand, NOW, policy) for s in snapshots}
-        assert abs(predicted[fast.worker_id][0] - predicted[str(reference.worker_id)][0]) < 1e-6
+        cost = {w: p[0] + policy.stall_weight * p[4] for w, p in predicted.items()}
+        assert abs(cost[fast.worker_id] - cost[str(reference.worker_id)]) < 1e-6
         assert abs(fast.predicted_ttft_s - predicted[fast.worker_id][1]) < 1e-6
         assert fast.uncached_tokens == reference.uncached_tokens or fast.worker_id != reference.worker_id
         return
