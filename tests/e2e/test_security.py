@@ -235,3 +235,21 @@ def test_the_priority_service_tier_needs_a_key_that_allows_it(dev_stack: tuple[D
     allowed = openai_client(endpoints, team_key(endpoints, "tiers", allow_priority=True))
     reply = allowed.chat.completions.create(model="sluice-sim", messages=message, service_tier="priority")
     assert reply.choices[0].message.content
+
+
+def test_slo_headers_are_honoured_or_refused_by_name(dev_stack: tuple[DevStack, Endpoints]) -> None:
+    """The official client's extra headers: a request's own latency objectives (llm-d's header names)
+    are accepted; a malformed one is a 400 naming the header, before anything is queued."""
+    _, endpoints = dev_stack
+    client = openai_client(endpoints, team_key(endpoints, "slo"))
+    message: list[ChatCompletionMessageParam] = [{"role": "user", "content": "soon"}]
+    slo = {"x-slo-ttft-ms": "30000", "x-slo-tpot-ms": "1000"}
+    reply = client.chat.completions.create(model="sluice-sim", messages=message, extra_headers=slo)
+    assert reply.choices[0].message.content
+    for bad in ("soon", "0", "600001"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="sluice-sim", messages=message, extra_headers={"x-slo-ttft-ms": bad}
+            )
+        assert err.value.code == "invalid_slo"
+        assert "x-slo-ttft-ms" in str(err.value)
