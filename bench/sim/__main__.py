@@ -12,7 +12,9 @@
 - lora: 50 LoRA adapters of Zipf popularity over 8 replicas holding 8 each: sluice's adapter-affinity
   placement against the same placement blind to adapters and the baselines;
 - disagg: prefill/decode disaggregation on 8 replicas (disagg.py): sluice's per-request split decision
-  against never, always and llm-d's threshold rule, each at its best prefill/decode ratio.
+  against never, always and llm-d's threshold rule, each at its best prefill/decode ratio;
+- error: the latency model's error, its corrected prediction against the first token observed, for
+  sluice's placement on the placement workloads.
 
 Each cell of a table over seeds is the median over the seeds with the [min-max] range beside it.
 Runs go over `--jobs` processes; each run is seeded, so the tables do not depend on the number of jobs.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +37,7 @@ from typing import Any
 from bench.sim.engine import TimingModel
 from bench.sim.fleet import Outcome, Scaler, simulate
 from bench.sim.metrics import Summary, summarize, violation_minutes
-from bench.sim.routers import LORA_ROUTERS, ROUTERS, TUNABLE, make_router
+from bench.sim.routers import LORA_ROUTERS, ROUTERS, TUNABLE, Router, SluiceRouter, make_router
 from bench.sim.scalers import (
     DynamoAggPlannerScaler,
     DynamoPlannerScaler,
@@ -54,6 +57,7 @@ from bench.sim.workloads import (
     multi_turn,
     shared_prefix,
 )
+from dispatcher.placement import PlacementPolicy
 from scaler.policy import ScalingPolicy
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -432,6 +436,49 @@ def scale(args: argparse.Namespace) -> None:
     print(f"{s.finished:,} requests simulated in {wall:.0f} s of wall time ({rate:,.0f} requests/s)")
 
 
+def model_error_one(run: Run) -> tuple[float, float, int]:
+    """The sluice router's latency-model error on one run: the median and 90th percentile of
+    |observed - predicted| / observed over its placements' first tokens, and how many there were."""
+    w = WORKLOADS[run.workload](**dict(run.kwargs))
+    routers: list[SluiceRouter] = []
+
+    def factory() -> Router:
+        router = SluiceRouter(PlacementPolicy(), random.Random(run.seed))
+        routers.append(router)
+        return router
+
+    simulate(factory, TimingModel(), w.requests, w.duration_s, run.replicas, seed=run.seed,
+             heartbeat_s=run.heartbeat_s, views=run.views)  # fmt: skip
+    errors = sorted(routers[0].errors)
+    if not errors:
+        return math.nan, math.nan, 0
+    return statistics.median(errors), errors[int(0.9 * (len(errors) - 1))], len(errors)
+
+
+def model_error(args: argparse.Namespace) -> None:
+    """How far the latency model's corrected prediction is from the first token observed."""
+    cases = [
+        ("shared-prefix", (("rate", 30.0), ("duration_s", args.duration))),
+        ("shared-prefix", (("rate", 60.0), ("duration_s", args.duration))),
+        ("shared-prefix", (("rate", 90.0), ("duration_s", args.duration))),
+        ("multi-turn", (("duration_s", args.duration),)),
+        ("bursty-code", (("duration_s", args.duration),)),
+    ]
+    print("| workload | views | median relative error | 90th percentile | first tokens |")
+    print("| --- | --- | --- | --- | --- |")
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for name, kwargs in cases:
+            for views in args.views:
+                runs = [Run(name, kwargs, "sluice", seed, views, 8, args.heartbeat_s) for seed in args.seeds]
+                rows = list(pool.map(model_error_one, runs))
+                label = name + "".join(f", {v:g} req/s" for k, v in kwargs if k == "rate")
+                print(
+                    f"| {label} | {views} | {spread([r[0] for r in rows], '.0%')} "
+                    f"| {spread([r[1] for r in rows], '.0%')} | {sum(r[2] for r in rows):,} |",
+                    flush=True,
+                )
+
+
 def llmd(args: argparse.Namespace) -> None:
     from bench.sim.llmd_experiment import main as experiment
 
@@ -529,6 +576,7 @@ def main() -> None:
             "scale",
             "lora",
             "disagg",
+            "error",
         ],
     )
     parser.add_argument("--seed", type=int, default=1, help="for `scale`")
@@ -577,7 +625,7 @@ def main() -> None:
     experiments = {
         "placement": placement, "workloads": workloads, "priority": priority, "scaling": scaling,
         "frontier": frontier,
-        "llmd": llmd, "scale": scale, "lora": lora, "disagg": disagg,
+        "llmd": llmd, "scale": scale, "lora": lora, "disagg": disagg, "error": model_error,
     }  # fmt: skip
     experiments[args.experiment](args)
 
