@@ -8,7 +8,9 @@ import contextlib
 import math
 import secrets
 import time
+from collections import Counter
 from functools import partial
+from typing import Literal
 
 import structlog
 from redis.exceptions import RedisError
@@ -19,7 +21,7 @@ from dispatcher.disagg import choose_prefill, decide_split, split_case
 from dispatcher.ending import Ending
 from dispatcher.hold import Held
 from dispatcher.migration import decide_move
-from dispatcher.placement import Decision, Demand, choose_least_loaded
+from dispatcher.placement import AFFINITY_REASON, SLO_REASON, Decision, Demand, choose_least_loaded
 from plumbing.clients import BusUnavailable
 from plumbing.replay import read_log
 from queue_schemas.errors import ErrorCode
@@ -37,10 +39,13 @@ log = structlog.get_logger("sluice.dispatcher")
 MAX_PREDICTED_S = 86_400.0  # a prediction past a day (a worker finishing nothing) is sent as a day
 
 
-def demand_of(request: InferenceRequest, waited_s: float, light: bool, may_shed: bool) -> Demand:
-    """What placement is asked for a held request. Only a flex-tier interactive request that has not
-    started anywhere (`may_shed`: not taken over from a lost worker) may be refused to keep an SLO."""
+def demand_of(request: InferenceRequest, waited_s: float, light: bool, first_try: bool) -> Demand:
+    """What placement is asked for a held request. A request taken over from a lost worker
+    (`first_try` false) or continuing a moved answer has no TTFT SLO left to hold it for, and is never
+    refused; otherwise only a flex-tier interactive request may be refused to keep its SLO."""
     interactive = request.priority is Priority.INTERACTIVE
+    fresh = first_try and request.resume is None
+    ttft_slo_s = None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000
     return Demand(
         len(request.prompt_token_ids),
         request.block_hashes,
@@ -49,9 +54,9 @@ def demand_of(request: InferenceRequest, waited_s: float, light: bool, may_shed:
         waited_s,
         light=interactive and light,
         adapter=request.adapter,
-        ttft_slo_s=None if request.ttft_slo_ms is None else request.ttft_slo_ms / 1000,
+        ttft_slo_s=ttft_slo_s if fresh else math.inf,
         tpot_slo_s=None if request.tpot_slo_ms is None else request.tpot_slo_ms / 1000,
-        sheddable=interactive and may_shed and request.tier is Tier.FLEX and request.resume is None,
+        sheddable=interactive and fresh and request.tier is Tier.FLEX,
     )
 
 
@@ -63,14 +68,27 @@ def placement_note(decision: Decision, now: float) -> PlacementNote | None:
     return PlacementNote(placed_at=now, predicted_ttft_s=predicted, uncached_tokens=decision.uncached_tokens)
 
 
+Tried = Literal["placed", "full", "waits"]
+# Why a request waits that says nothing of the others: its own SLO, or a busy worker holding its prefix.
+OWN_WAITS = frozenset({SLO_REASON, AFFINITY_REASON})
+
+
 class Placing(Ending):
     async def _place_held(self) -> None:
+        """Offer the held requests to placement in order. A round ends after `max_misses_per_round`
+        requests in a row fit nowhere. A request that waits for its own SLO or for the busy worker
+        holding its prefix does not end it; a team's requests stop being tried once that many of them
+        waited so, so one team's waiting requests cannot hold the others' back."""
         if not len(self.hold):
             return
         misses = batch_tries = 0
+        waits: Counter[str] = Counter()
         now = time.time()
         for held in list(self.hold.ordered()):
             if held.not_before > now:
+                continue
+            team = held.request.team
+            if waits[team] >= self.settings.max_misses_per_round:
                 continue
             if held.request.priority is Priority.BATCH:
                 batch_tries += 1
@@ -80,23 +98,28 @@ class Placing(Ending):
             if held.request.fair_tag != tag:
                 held.request = held.request.model_copy(update={"fair_tag": tag})
             try:
-                placed = await self._try_place(held)
+                tried = await self._try_place(held)
             except (RedisError, BusUnavailable):
                 raise  # the loop's own pause: the request stays held
             except Exception as exc:  # a fault of this request's alone: it ends, the round goes on
                 self._end_failed(held, exc)
-                placed = True
-            misses = 0 if placed else misses + 1
+                tried = "placed"
+            if tried == "waits":
+                waits[team] += 1
+                continue
+            misses = 0 if tried == "placed" else misses + 1
             if misses >= self.settings.max_misses_per_round:
                 break  # nothing fits now; the rest of the hold waits for the next heartbeat
         self._export_hold()
 
-    async def _try_place(self, held: Held) -> bool:
+    async def _try_place(self, held: Held) -> Tried:
+        """`placed` when the request left the hold (placed, answered or ended), `waits` when it waits
+        for a reason of its own, `full` when it fits nowhere now."""
         logged = 0
         if held.taken_over is not None:
             moving = await self._prepare_move(held)
             if moving is None:
-                return True
+                return "placed"
             logged = moving
         request = held.request
         waited = max(0.0, time.monotonic() - held.arrived)
@@ -113,18 +136,18 @@ class Placing(Ending):
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
         if decision.refused:
             self._shed(held, f"{decision.reason} ({demand.ttft_slo_s or self.policy.ttft_slo_s:g} s)")
-            return True
+            return "placed"
         if decision.worker_id is None:
-            return False
+            return "waits" if decision.reason in OWN_WAITS else "full"
         note = placement_note(decision, time.time())
         if handoff is not request.handoff or note != request.placement:
             held.request = request = request.model_copy(update={"handoff": handoff, "placement": note})
         reserved = await self.batch.reserve(held)
         if isinstance(reserved, Refusal):
             self._answer_soon(held, reserved.send)
-            return True
+            return "placed"
         if reserved is not Reserve.GO:
-            return False
+            return "full"
         outcome = await self.acts.place(held, decision, logged)
         if outcome == "placed":
             if held.taken_over is not None:
@@ -148,17 +171,17 @@ class Placing(Ending):
             metrics.QUEUED_SECONDS.labels(self.pool).observe(time.monotonic() - held.arrived)
             metrics.PREFIX_BLOCKS.labels(self.pool, "prompt").inc(len(request.block_hashes))
             metrics.PREFIX_BLOCKS.labels(self.pool, "matched").inc(decision.matched_blocks)
-            return True
+            return "placed"
         if outcome == "changed":
-            return False  # the lost worker's log grew meanwhile: read again next round
+            return "full"  # the lost worker's log grew meanwhile: read again next round
         metrics.OUTCOMES.labels(self.pool, outcome).inc()
         if outcome == "cancelled":
             await self._settle_ended(request, UsageStatus.CANCELLED, ErrorCode.CANCELLED)
             if request.batch is not None:
                 self._answer_cancelled(held)  # it leaves the hold once the answer is out
-                return True
+                return "placed"
         self._finish(held)
-        return True
+        return "placed"
 
     def _handoff(self, request: InferenceRequest, decode_worker: str, matched_blocks: int) -> Handoff | None:
         """A handoff to the best prefill worker when the split decision says so (dispatcher.disagg).

@@ -203,3 +203,37 @@ async def _state(p: Pipeline, worker: str, state: str) -> bool:
 async def _backlog(p: Pipeline, worker: str, tokens: int) -> bool:
     hb = (await beats(p)).get(worker)
     return hb is not None and hb.prefill_backlog >= tokens
+
+
+async def test_requests_held_for_their_own_slo_do_not_hold_back_others(bus: Bus, tmp_path: Path) -> None:
+    """Teams that have been served nothing come first in the hold's order, one request of each in turn.
+    Twenty such teams' requests, each with an SLO no worker can meet now, wait; a placement round goes
+    past them (a round ends only after 16 requests in a row that fit nowhere), so a request of a team
+    that was served, and that a worker can take, is placed at once."""
+    config = tmp_path / "pools.toml"
+    config.write_text(POOL)
+    async with pipeline(bus, engines=[ENGINE, ENGINE], config=config) as p:
+        names = p.settings.names
+        loads = [request(f"req-team-load-{i:04d}", 6000, seed=40 + i, slo_ms=60_000) for i in range(4)]
+        for load in loads:
+            await send(p, load)
+        await eventually(lambda: _backlog(p, "w0", 6000), 10, "w0's heartbeat shows its load")
+        await eventually(lambda: _backlog(p, "w1", 6000), 10, "w1's heartbeat shows its load")
+        waiting = [
+            request(f"req-team-wait-{i:04d}", 200, seed=60 + i, slo_ms=800).model_copy(
+                update={"team": f"team-{i % 20:02d}"}
+            )
+            for i in range(40)
+        ]
+        for req in waiting:
+            await send(p, req)
+        await asyncio.sleep(0.5)  # all held now
+        other = request("req-team-other-0001", 200, seed=99, slo_ms=60_000)  # team "dev", as the loads
+        sent_at = time.time()
+        await send(p, other)
+        placed = lambda: p.redis.exists(names.placement(other.request_id))  # noqa: E731
+        await eventually(placed, 5, "the served team's request placed")
+        took = time.time() - sent_at
+        held = sum([await p.redis.exists(names.placement(r.request_id)) for r in waiting])
+        print(f"the served team's request placed after {took:.2f} s; {held} of the 40 waiting placed by then")
+        assert held < len(waiting)  # they were still waiting for their SLO

@@ -205,14 +205,15 @@ def test_only_a_flex_interactive_request_not_yet_started_may_be_shed() -> None:
     req = make_request("sim", "req-demand-0001").model_copy(
         update={"tier": Tier.FLEX, "ttft_slo_ms": 250, "tpot_slo_ms": 40}
     )
-    d = demand_of(req, 1.5, light=True, may_shed=True)
+    d = demand_of(req, 1.5, light=True, first_try=True)
     assert (d.sheddable, d.ttft_slo_s, d.tpot_slo_s, d.waited_s, d.light) == (True, 0.25, 0.04, 1.5, True)
-    assert not demand_of(req, 0, light=True, may_shed=False).sheddable  # taken over from a lost worker
+    taken_over = demand_of(req, 0, light=True, first_try=False)  # from a lost worker: never held or shed
+    assert (taken_over.sheddable, taken_over.ttft_slo_s) == (False, math.inf)
     default = req.model_copy(update={"tier": Tier.DEFAULT})
-    assert not demand_of(default, 0, light=True, may_shed=True).sheddable
+    assert not demand_of(default, 0, light=True, first_try=True).sheddable
     batch = req.model_copy(update={"priority": Priority.BATCH})
-    assert not demand_of(batch, 0, light=True, may_shed=True).sheddable
-    assert not demand_of(batch, 0, light=True, may_shed=True).light
+    assert not demand_of(batch, 0, light=True, first_try=True).sheddable
+    assert not demand_of(batch, 0, light=True, first_try=True).light
 
 
 def test_the_note_caps_a_prediction_past_a_day_and_is_absent_without_one() -> None:
