@@ -74,7 +74,8 @@ class Beats(WorkerParts):
             ledger = self.first_tokens
             hb = hb.model_copy(
                 update={
-                    "prefill_backlog": max(0, ledger.backlog),
+                    "prefill_backlog": max(0, ledger.backlog(hb.sent_at)),
+                    "prefill_tokens_per_s": ledger.rate,
                     "step_s": ledger.step_s,
                     "ttft_correction": min(1000.0, max(1e-3, ledger.correction.factor)),
                     "ttft_error": ledger.correction.error,

@@ -4,6 +4,7 @@ of them starts, not the oldest), duplicates dropped, cancellations applied, and 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,7 +88,7 @@ class Consuming(Serving):
             self._spawn(entry_id.decode(), self._ack(entry_id))
             return
         self.slots.wait(request, entry_id)
-        self.first_tokens.arrived(request)
+        self.first_tokens.arrived(request, time.time())
 
     def _drop_entry(self, entry_id: bytes, reason: str, exc_info: bool = False) -> None:
         item_failed(INBOX_ITEMS)
@@ -111,7 +112,7 @@ class Consuming(Serving):
             log.error("request task failed", key=key, exc_info=task.exception())
         self._tasks.pop(key, None)
         self.slots.ended(key)
-        self.first_tokens.ended(key)
+        self.first_tokens.ended(key, time.time())
         self._beat_soon.set()
 
     def _on_cancel(self, data: bytes) -> None:

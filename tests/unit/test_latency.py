@@ -169,20 +169,55 @@ def test_the_worker_reports_its_backlog_step_and_correction() -> None:
         update={"placement": PlacementNote(placed_at=100.0, predicted_ttft_s=0.5, uncached_tokens=30)}
     )
     unplaced = make_request("sim", "req-ledger-0002")  # no note: its whole prompt (50 tokens)
-    ledger.arrived(placed)
-    ledger.arrived(placed)  # read again: counted once
-    ledger.arrived(unplaced)
-    assert ledger.backlog == 80
+    ledger.arrived(placed, 100.0)
+    ledger.arrived(placed, 100.0)  # read again: counted once
+    ledger.arrived(unplaced, 100.0)
+    assert ledger.backlog(100.0) == 80
+    assert ledger.backlog(500.0) == 80  # no rate measured: nothing is taken as computed
     ledger.first_token(placed.request_id, 101.0)  # observed 1 s against 0.5 s predicted
-    assert ledger.backlog == 50
+    assert ledger.backlog(101.0) == 50
     assert ledger.correction.factor == pytest.approx(2.0)
-    ledger.ended(placed.request_id)  # already out of the backlog
-    ledger.ended(unplaced.request_id)
-    assert ledger.backlog == 0
+    ledger.ended(placed.request_id, 101.0)  # already out of the backlog
+    ledger.ended(unplaced.request_id, 101.0)
+    assert ledger.backlog(101.0) == 0
     ledger.tokens_after(0.1, 5)
     assert ledger.step_s == pytest.approx(0.02)
     ledger.tokens_after(0.1, 0)  # nothing to learn from
     assert ledger.step_s == pytest.approx(0.02)
+    ledger.arrived(make_request("sim", "req-ledger-0003"), 102.0)
+    ledger.tokens_after(0.5, 1)  # a step with a prefill chunk in it: not a decode step
+    assert ledger.step_s == pytest.approx(0.02)
+
+
+def test_the_worker_measures_its_prefill_rate_and_ages_its_backlog_by_it() -> None:
+    ledger = FirstTokenLedger()
+    ledger.tokens_after(0.02, 1)  # a 20 ms step
+    alone = make_request("sim", "req-rate-0001").model_copy(
+        update={"placement": PlacementNote(placed_at=0.0, predicted_ttft_s=1.0, uncached_tokens=4096)}
+    )
+    ledger.arrived(alone, 10.0)
+    # 4,096 tokens in 1.07 s, of which 3.5 steps (two chunks, and one and a half) are decode steps.
+    ledger.first_token(alone.request_id, 11.07)
+    assert ledger.rate == pytest.approx(4096 / 1.0)
+    queued = [
+        make_request("sim", f"req-rate-{i:04d}").model_copy(
+            update={"placement": PlacementNote(placed_at=0.0, predicted_ttft_s=1.0, uncached_tokens=2048)}
+        )
+        for i in range(2, 4)
+    ]
+    for req in queued:
+        ledger.arrived(req, 20.0)
+    assert ledger.backlog(20.0) == 4096
+    assert ledger.backlog(20.5) == 4096 - 2048  # half a second at 4,096 tokens/s
+    assert ledger.backlog(30.0) == 0
+    # The first found nothing ahead: 2,048 tokens in 0.55 s less 2.5 steps measure 4,096 tokens/s again.
+    ledger.first_token(queued[0].request_id, 20.55)
+    assert ledger.rate == pytest.approx(4096)
+    assert ledger.backlog(20.55) == 4096 - round(0.55 * 4096)
+    # The second found work ahead of it: its time does not measure the rate.
+    ledger.first_token(queued[1].request_id, 21.5)
+    assert ledger.rate == pytest.approx(4096)
+    assert ledger.backlog(21.5) == 0
 
 
 @pytest.mark.parametrize(
