@@ -244,6 +244,7 @@ def latency_choice(
     rng: random.Random,
     alone: npt.NDArray[np.float64] | None = None,
     stall: npt.NDArray[np.float64] | None = None,
+    held: npt.NDArray[np.bool_] | None = None,
 ) -> tuple[int | None, str]:
     """The row with the lowest predicted TTFT among those that can take the request (`fit`, at least
     one), preferring rows where the running requests keep their ITL SLO; or None and why it waits:
@@ -251,17 +252,23 @@ def latency_choice(
     of prefill, or no row meets its TTFT SLO (interactive requests only). Waiting can only help where
     the queues cause the miss: a request that no row could serve within its SLO with nothing queued
     (`alone`, the TTFT with an empty queue) is placed at once. Among the rows, the lowest TTFT plus
-    `stall_weight` times the `stall` the request's prefill puts on the others there wins."""
+    `stall_weight` times the `stall` the request's prefill puts on the others there wins. A request for
+    a LoRA adapter stays among the rows where its adapter can start (`held`: held there, or an adapter
+    slot free) while one of them meets its SLO: an engine runs few adapters at once and passes over a
+    request for another until one frees, a wait the model does not see."""
+    slo = demand.ttft_slo_s or policy.ttft_slo_s
     rows = np.flatnonzero(fit)
     if demand.priority is Priority.INTERACTIVE:
         keep = rows[itl[rows] <= (demand.tpot_slo_s or policy.tpot_slo_s)]
         rows = keep if keep.size else rows
+    if held is not None:
+        holders = rows[held[rows]]
+        rows = holders if holders.size and float(ttft[holders].min()) <= slo else rows
     best = float(ttft[rows].min())
     if busy.any() and demand.waited_s < policy.spill_after_s:
         spill_s = policy.spill_tokens / policy.latency.prefill_tokens_per_s
         if float(ttft[busy].min()) + spill_s <= best:
             return None, AFFINITY_REASON
-    slo = demand.ttft_slo_s or policy.ttft_slo_s
     queues_miss = alone is None or float(alone[rows].min()) <= slo
     if demand.priority is Priority.INTERACTIVE and best > slo and queues_miss:
         if demand.sheddable:
@@ -276,6 +283,13 @@ def latency_choice(
 def holds_adapter(worker: WorkerSnapshot, demand: Demand) -> bool:
     """Whether the worker holds the request's adapter (always, for a request without one)."""
     return demand.adapter is None or demand.adapter in worker.heartbeat.adapters
+
+
+def adapter_ready(worker: WorkerSnapshot, demand: Demand) -> bool:
+    """Whether the worker can start the request's adapter without waiting for another to free: it holds
+    it, or fewer adapters than its engine runs at once are in use there."""
+    hb = worker.heartbeat
+    return holds_adapter(worker, demand) or not hb.adapter_slots or hb.adapters_in_use < hb.adapter_slots
 
 
 def candidates(workers: Sequence[WorkerSnapshot], demand: Demand, policy: PlacementPolicy) -> Candidates:
@@ -348,7 +362,8 @@ def choose_by_latency(
     busy = np.array([why is not None and is_eligible(w, now) for w, why in verdicts])
     alone = np.array([r[3] for r in rows])
     stall = np.array([r[4] for r in rows])
-    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng, alone, stall)
+    held = np.array([adapter_ready(w, demand) for w, _ in verdicts])
+    i, reason = latency_choice(ttft, itl, fit, busy, demand, policy, rng, alone, stall, held)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
     winner = verdicts[i][0]

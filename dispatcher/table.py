@@ -47,6 +47,8 @@ COLUMNS = (
     "rate",  # prefill tokens per second (measured, else the default)
     "step",  # decode step seconds (measured, else the default)
     "correction",  # observed over predicted TTFT
+    "adapter_slots",  # LoRA adapters it runs at once (0: none)
+    "adapters_in_use",
 )
 
 
@@ -89,6 +91,8 @@ class WorkerTable:
             "rate": hb.prefill_tokens_per_s or self.latency.prefill_tokens_per_s,
             "step": hb.step_s or self.latency.step_s,
             "correction": hb.ttft_correction,
+            "adapter_slots": hb.adapter_slots,
+            "adapters_in_use": hb.adapters_in_use,
         }
         for c, v in values.items():
             self._cols[c][i] = v
@@ -258,7 +262,11 @@ def by_latency(
     rate, step, chunk = table.col("rate"), table.col("step"), table.latency.chunk_tokens
     alone = (predicted_ttft(uncached, 0.0, rate, step, chunk) + adapter_s) * correction
     stall = prefill_s(uncached, rate, step, chunk) * (table.col("running") + queued(table))
-    i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone, stall)
+    held = None
+    if demand.adapter is not None and adapter_held is not None:  # placement.adapter_ready
+        slots, in_use = table.col("adapter_slots"), table.col("adapters_in_use")
+        held = (adapter_held > 0) | (slots == 0) | (in_use < slots)
+    i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone, stall, held)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
     return Decision(table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]))

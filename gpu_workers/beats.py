@@ -76,6 +76,7 @@ class Beats(WorkerParts):
                 update={
                     "prefill_backlog": max(0, ledger.backlog(hb.sent_at)),
                     "prefill_tokens_per_s": ledger.rate,
+                    "adapters_in_use": self.slots.adapters_in_use(),
                     "step_s": ledger.step_s,
                     "ttft_correction": min(1000.0, max(1e-3, ledger.correction.factor)),
                     "ttft_error": ledger.correction.error,

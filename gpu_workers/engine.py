@@ -39,6 +39,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     preemptions: int = 0  # running requests sent back to wait (their KV freed), in total
     adapters: tuple[str, ...] = ()  # LoRA adapters held, least recently used first
+    adapter_slots: int = 0  # adapters it runs at once (0: no adapters)
 
 
 class EngineError(Exception):

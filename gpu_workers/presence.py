@@ -170,6 +170,7 @@ def heartbeat(
         prefix_hit_tokens=stats.prefix_hit_tokens,
         preemptions=stats.preemptions,
         adapters=stats.adapters,
+        adapter_slots=stats.adapter_slots,
         error=vitals.error,
     )
 

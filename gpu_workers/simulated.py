@@ -150,6 +150,7 @@ class SimulatedEngine:
             prefix_hit_tokens=self._prefix_hits,
             preemptions=schedule.preemptions,
             adapters=self._adapters.held(),
+            adapter_slots=self._adapters.capacity,
         )
 
     def _wake(self, started: list[Entry]) -> None:

@@ -25,6 +25,8 @@ class Slots:
         self._team_of: dict[str, str] = {}  # request id -> team, of the requests running here
         self._by_team: Counter[str] = Counter()
         self._batch: set[str] = set()  # request ids of the batch requests running here
+        self._adapter_of: dict[str, str] = {}  # request id -> LoRA adapter, of those running here
+        self._by_adapter: Counter[str] = Counter()
         self._finished: OrderedDict[str, None] = OrderedDict()  # recent request ids, oldest first
 
     def knows(self, request_id: str) -> bool:
@@ -52,14 +54,26 @@ class Slots:
             chosen = None
         return None if chosen is None else self.ready.pop(chosen)
 
+    def adapters_in_use(self) -> int:
+        """Distinct LoRA adapters of the requests running here."""
+        return len(self._by_adapter)
+
     def started(self, request: InferenceRequest) -> None:
         self._team_of[request.request_id] = request.team
+        if request.adapter is not None:
+            self._adapter_of[request.request_id] = request.adapter
+            self._by_adapter[request.adapter] += 1
         if request.priority is Priority.BATCH:
             self._batch.add(request.request_id)
         self._by_team[request.team] += 1
 
     def ended(self, request_id: str) -> None:
         self._batch.discard(request_id)
+        adapter = self._adapter_of.pop(request_id, None)
+        if adapter is not None:
+            self._by_adapter[adapter] -= 1
+            if not self._by_adapter[adapter]:
+                del self._by_adapter[adapter]
         team = self._team_of.pop(request_id, None)
         if team is None:
             return

@@ -206,6 +206,7 @@ class VllmEngine:
             prefix_hit_tokens=figures.prefix_hits,
             preemptions=figures.preemptions,
             adapters=self._adapters.held(),
+            adapter_slots=self._adapters.capacity,
         )
 
     def _lora_request(self, adapter: str | None) -> Any:

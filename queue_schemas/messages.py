@@ -357,6 +357,10 @@ class Heartbeat(Message):
     adapters: tuple[str, ...] = Field(
         default=(), max_length=1024, description="LoRA adapters the engine holds, least recently used first"
     )
+    adapter_slots: int = Field(default=0, ge=0, description="LoRA adapters it runs at once (0: none)")
+    adapters_in_use: int = Field(
+        default=0, ge=0, description="distinct LoRA adapters of the requests running on it"
+    )
     error: str | None = Field(default=None, max_length=2000, description="why a failed worker stopped")
 
 

@@ -54,6 +54,7 @@ def heartbeat(view: ReplicaView, now: float, seq: int, correction: float = 1.0) 
         completed_per_s=view.completed_per_s, prefill_backlog=view.prefill_tokens(),
         prefill_tokens_per_s=1 / m.prefill_per_token_s,
         step_s=m.decode_base_s + m.decode_per_seq_s * view.scheduled, ttft_correction=correction,
+        adapter_slots=m.max_loras, adapters_in_use=len(view.active_adapters()) if m.max_loras else 0,
     )  # fmt: skip
 
 

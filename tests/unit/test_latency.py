@@ -23,6 +23,7 @@ from dispatcher.placement import (
 from dispatcher.placing import demand_of, placement_note
 from dispatcher.table import WorkerTable, choose_over
 from gpu_workers.first_tokens import FirstTokenLedger
+from gpu_workers.slots import Slots
 from openai_api.admission import slo_from_headers
 from openai_api.errors import InvalidRequest
 from plumbing.latency import Correction, backlog_now, itl_after, predicted_ttft, slot_wait_s
@@ -272,3 +273,37 @@ def test_a_request_too_long_for_its_slo_even_on_an_idle_worker_is_placed_at_once
         for pick in (choose, choose_over):
             decision = pick([busy], asked, NOW, POLICY, random.Random(0))
             assert (decision.worker_id, decision.refused) == ("busy", False)
+
+
+def test_an_adapter_request_stays_where_its_adapter_can_start_while_one_meets_its_slo() -> None:
+    blocked = WorkerSnapshot(beat("blocked", adapter_slots=2, adapters_in_use=2, adapters=("a", "b")))
+    holder = WorkerSnapshot(
+        beat("holder", backlog=2000, adapter_slots=2, adapters_in_use=2, adapters=("x", "b"))
+    )
+    room = WorkerSnapshot(beat("room", backlog=4000, adapter_slots=2, adapters_in_use=1, adapters=("a",)))
+    asked = demand(adapter="x")
+    for pick in (choose, choose_over):
+        # The idle worker would be soonest by the model, but its adapter slots are taken: the holder.
+        assert pick([blocked, holder], asked, NOW, POLICY, random.Random(0)).worker_id == "holder"
+        # A worker with an adapter slot free counts as able to start it.
+        assert pick([blocked, room], asked, NOW, POLICY, random.Random(0)).worker_id == "room"
+        # Where none that can start it meets the SLO, the model's choice stands.
+        late = WorkerSnapshot(
+            beat("holder", backlog=40_000, adapter_slots=2, adapters_in_use=2, adapters=("x",))
+        )
+        assert pick([blocked, late], asked, NOW, POLICY, random.Random(0)).worker_id == "blocked"
+
+
+def test_the_worker_counts_the_adapters_its_running_requests_use() -> None:
+    slots = Slots(4, 0, 4)
+    requests = [
+        make_request("sim", f"req-adapter-{i:04d}").model_copy(update={"adapter": name})
+        for i, name in enumerate(["a", "a", "b"])
+    ]
+    for req in requests:
+        slots.started(req)
+    assert slots.adapters_in_use() == 2
+    slots.ended(requests[0].request_id)
+    assert slots.adapters_in_use() == 2  # "a" still runs
+    slots.ended(requests[1].request_id)
+    assert slots.adapters_in_use() == 1
