@@ -234,7 +234,8 @@ def predicted_columns(
     """The latency model over every row: (uncorrected TTFT, ITL of its running requests after), in
     seconds, for a request with `uncached` tokens to compute on each (`placement.predicted_row`)."""
     rate, step = table.col("rate"), table.col("step")
-    wait = slot_wait_s(table.col("running") + queued(table), table.col("slots"), table.col("completed"))
+    load, slots = table.col("running") + queued(table), table.col("slots")
+    wait = slot_wait_s(load, slots, table.col("completed"), table.latency.request_s)
     raw = predicted_ttft(uncached, table.work_at(now), rate, step, table.latency.chunk_tokens, wait)
     raw = raw + adapter_s
     return raw, itl_after(uncached, rate, step, policy.expected_output_tokens)

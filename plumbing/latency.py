@@ -50,6 +50,7 @@ class LatencyDefaults:
     step_s: float = 0.03
     chunk_tokens: int = 2048
     adapter_load_s: float = 0.05  # loading a LoRA adapter the worker does not hold
+    request_s: float = 8.0  # a request's time in a running slot, until the worker reports completions
 
 
 def prefill_s(tokens: Number, rate: Number, step_s: Number, chunk: int) -> Floats:
@@ -66,12 +67,14 @@ def backlog_now(backlog: Number, age_s: Number, rate: Number, step_s: Number, ch
     return np.asarray(np.maximum(0.0, np.asarray(backlog, dtype=float) - done))
 
 
-def slot_wait_s(load: Number, slots: Number, completed_per_s: Number) -> Floats:
+def slot_wait_s(load: Number, slots: Number, completed_per_s: Number, request_s: float = 8.0) -> Floats:
     """The wait for a running slot: the requests beyond the worker's slots, this one included, over the
-    rate at which it finishes requests. 0 where slots are free or not stated."""
+    rate at which it finishes requests (until it reports one, its slots over `request_s`, a request's
+    time in a slot). 0 where slots are free or not stated."""
     slots_ = np.asarray(slots, dtype=float)
     beyond = np.maximum(0.0, np.asarray(load, dtype=float) + 1 - slots_)
-    rate = np.maximum(np.asarray(completed_per_s, dtype=float), 1e-3)
+    completed = np.asarray(completed_per_s, dtype=float)
+    rate = np.maximum(np.where(completed > 0, completed, slots_ / request_s), 1e-3)
     return np.asarray(np.where(slots_ > 0, beyond / rate, 0.0), dtype=float)
 
 
@@ -141,6 +144,6 @@ def heartbeat_ttft(
     queued = hb.prefill_backlog + extra_tokens
     backlog = float(backlog_now(queued, now - hb.sent_at, rate, step, defaults.chunk_tokens))
     load = hb.running + hb.waiting + hb.inbox_pending + extra_requests
-    wait = float(slot_wait_s(float(load), float(hb.max_running), hb.completed_per_s))
+    wait = float(slot_wait_s(float(load), float(hb.max_running), hb.completed_per_s, defaults.request_s))
     raw = float(predicted_ttft(float(uncached), backlog, rate, step, defaults.chunk_tokens, wait))
     return raw * hb.ttft_correction, raw

@@ -96,7 +96,12 @@ async def run_load(
     await wait_workers(redis, settings, [f"w{i}" for i in range(workers)])
     producer = AIOKafkaProducer(**producer_options(settings))
     await producer.start()
-    requests = [make_request("sim", f"req-failover-{i:05d}", max_tokens=20) for i in range(count)]
+    # A TTFT SLO of a minute: requests may queue at a worker behind its running ones (with the pool's
+    # 2 s, placement would hold them in the dispatcher instead), so a killed worker holds some unstarted.
+    requests = [
+        make_request("sim", f"req-failover-{i:05d}", max_tokens=20).model_copy(update={"ttft_slo_ms": 60_000})
+        for i in range(count)
+    ]
     ready = asyncio.Event()
     collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 60, ready))
     await ready.wait()

@@ -69,6 +69,8 @@ def test_a_slot_is_waited_for_only_beyond_the_workers_slots() -> None:
     assert float(slot_wait_s(70, 64, 10.0)) == pytest.approx(0.7)
     assert float(slot_wait_s(10, 64, 10.0)) == 0.0
     assert float(slot_wait_s(70, 0, 10.0)) == 0.0  # slots not stated
+    # No completions reported yet: 64 slots each held 8 s finish 8 requests a second.
+    assert float(slot_wait_s(70, 64, 0.0, 8.0)) == pytest.approx(7 / 8)
 
 
 def test_a_prefill_slows_the_running_requests_by_its_time_over_their_output() -> None:
