@@ -69,17 +69,14 @@ class Ending(DispatcherState):
 
         self._answer_soon(held, answer)
 
-    def _shed(self, held: Held, reason: str) -> None:
-        """Refuse a sheddable request no worker can serve within its TTFT SLO: it leaves the hold,
-        charged nothing, and its client gets `overloaded` (HTTP 429) naming why."""
-        metrics.OUTCOMES.labels(self.pool, "shed").inc()
+    async def _shed(self, held: Held, reason: str) -> None:
+        """Refuse a sheddable request no worker can serve within its TTFT SLO: settled first, charged
+        nothing (if Redis fails here, it stays held and the next round tries again), then it leaves the
+        hold and its client gets `overloaded` (HTTP 429) naming why."""
         request = held.request
-
-        async def answer() -> None:
-            await self._settle_ended(request, UsageStatus.FAILED, ErrorCode.OVERLOADED)
-            await self._answer_error(request, ErrorCode.OVERLOADED, reason)
-
-        self._answer_soon(held, answer)
+        await self._settle_ended(request, UsageStatus.FAILED, ErrorCode.OVERLOADED)
+        metrics.OUTCOMES.labels(self.pool, "shed").inc()
+        self._answer_soon(held, partial(self._answer_error, request, ErrorCode.OVERLOADED, reason))
 
     def _finish(self, held: Held) -> None:
         """The request leaves the hold; its record no longer holds its partition's commit back."""

@@ -276,6 +276,7 @@ def latency_choice(
         if demand.waited_s < policy.slo_hold_s:
             return None, SLO_REASON
     cost = ttft[rows] if stall is None else ttft[rows] + policy.stall_weight * stall[rows]
+    cost = np.nan_to_num(cost, nan=np.inf, posinf=np.inf)  # a figure gone bad ranks last, never crashes
     winners = rows[cost <= cost.min() + 1e-9]
     return int(winners[rng.randrange(len(winners))]), ""
 

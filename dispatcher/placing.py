@@ -77,12 +77,14 @@ class Placing(Ending):
     async def _place_held(self) -> None:
         """Offer the held requests to placement in order. A round ends after `max_misses_per_round`
         requests in a row fit nowhere. A request that waits for its own SLO or for the busy worker
-        holding its prefix does not end it; a team's requests stop being tried once that many of them
-        waited so, so one team's waiting requests cannot hold the others' back."""
+        holding its prefix does not end it: the requests of its band go on being tried (a team's stop
+        once that many of them waited so, so one team's waiting requests cannot hold the others'
+        back), and the round ends at the next band, which must not take what it waits for."""
         if not len(self.hold):
             return
         misses = batch_tries = 0
         waits: Counter[str] = Counter()
+        waiting_band: int | None = None  # the best band of a request that waits for its own reason
         now = time.time()
         for held in list(self.hold.ordered()):
             if held.not_before > now:
@@ -90,6 +92,8 @@ class Placing(Ending):
             team = held.request.team
             if waits[team] >= self.settings.max_misses_per_round:
                 continue
+            if waiting_band is not None and held.request.band > waiting_band:
+                break  # a lower band does not take what a waiting request of a higher one waits for
             if held.request.priority is Priority.BATCH:
                 batch_tries += 1
                 if batch_tries > self.settings.batch_per_round:
@@ -106,6 +110,8 @@ class Placing(Ending):
                 tried = "placed"
             if tried == "waits":
                 waits[team] += 1
+                band = held.request.band
+                waiting_band = band if waiting_band is None else min(waiting_band, band)
                 continue
             misses = 0 if tried == "placed" else misses + 1
             if misses >= self.settings.max_misses_per_round:
@@ -135,11 +141,13 @@ class Placing(Ending):
             handoff = self._handoff(request, decision.worker_id, decision.matched_blocks)
         metrics.DECISION_SECONDS.labels(self.pool).observe(time.perf_counter() - t0)
         if decision.refused:
-            self._shed(held, f"{decision.reason} ({demand.ttft_slo_s or self.policy.ttft_slo_s:g} s)")
+            await self._shed(held, f"{decision.reason} ({demand.ttft_slo_s or self.policy.ttft_slo_s:g} s)")
             return "placed"
         if decision.worker_id is None:
             return "waits" if decision.reason in OWN_WAITS else "full"
-        note = placement_note(decision, time.time())
+        # A split request's prompt is computed by its prefill worker: the decode worker queues none of it,
+        # and the prediction (of a local prefill) is not what its first token measures.
+        note = None if handoff is not None else placement_note(decision, time.time())
         if handoff is not request.handoff or note != request.placement:
             held.request = request = request.model_copy(update={"handoff": handoff, "placement": note})
         reserved = await self.batch.reserve(held)
@@ -160,8 +168,9 @@ class Placing(Ending):
             self._finish(held)
             self.hold.charge(request.team, held.cost)
             metrics.TEAM_PLACED_TOKENS.labels(self.pool, request.team).inc(held.cost)
+            local = 0 if request.handoff is not None else decision.uncached_tokens
             self.view.record_placement(
-                decision.worker_id, decision.blocks_needed, request.block_hashes, decision.uncached_tokens
+                decision.worker_id, decision.blocks_needed, request.block_hashes, local
             )
             if request.handoff is not None:
                 self.view.record_prefill(

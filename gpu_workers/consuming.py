@@ -98,6 +98,7 @@ class Consuming(Serving):
 
     def _start(self, request: InferenceRequest, entry_id: bytes) -> None:
         self.slots.started(request)
+        self.first_tokens.started(request.request_id, time.time())
         self._spawn(request.request_id, self._serve(request, entry_id))
 
     def _spawn(self, key: str, coro: Any) -> None:

@@ -2,10 +2,11 @@
 as requests arrive, start producing and end; the heartbeat reads it.
 
 - the prefill rate: prompt tokens per second, measured on requests that found no prefill queued ahead
-  of them (their uncached tokens over their time to first token less the decode steps the latency
-  model adds: one and a half, and one per chunk), smoothed;
+  of them and a running slot free (their uncached tokens over their time to first token less the
+  decode steps the latency model adds: one and a half, and one per chunk), smoothed;
 - the prefill backlog: uncached prompt tokens of the requests it holds that have no first token yet (as
-  the placing dispatcher counted them, else the whole prompt), less what it has computed of them since
+  the placing dispatcher counted them, else the whole prompt; none for a request whose prompt a prefill
+  worker computes), less what it has computed of them since
   they arrived at the measured rate (the engine prefills without pause, in arrival order), and never more
   than what those requests hold;
 - the decode step: the mean gap between two tokens of a stream while no prompt waits for its first
@@ -26,6 +27,7 @@ STEP_WEIGHT = 0.05  # per token gap: about the last few hundred tokens
 RATE_WEIGHT = 0.2  # per measured request
 RATE_MIN_TOKENS = 1024  # shorter prompts' first tokens are mostly step time, not prefill
 CHUNK_TOKENS = LatencyDefaults().chunk_tokens
+SLOT_WAIT_S = 0.05  # a request that took longer than this to get a running slot waited for one
 
 
 @dataclass(slots=True)
@@ -61,10 +63,18 @@ class FirstTokenLedger:
             return
         note = request.placement
         tokens = note.uncached_tokens if note is not None else len(request.prompt_token_ids)
+        if request.handoff is not None:
+            tokens = 0
         ahead = min(float(self._held), self._left(now))
         self._waiting[request.request_id] = Waiting(tokens, note, now, ahead)
         self._held += tokens
         self._work, self._since = ahead + tokens, now
+
+    def started(self, request_id: str, now: float) -> None:
+        """It took a running slot. One that waited for it does not measure the prefill rate."""
+        entry = self._waiting.get(request_id)
+        if entry is not None and now - entry.arrived_at > SLOT_WAIT_S:
+            entry.ahead = math.inf
 
     def first_token(self, request_id: str, now: float) -> None:
         """Its first output: it leaves the backlog, its time may measure the rate, and counts toward the

@@ -71,7 +71,7 @@ def slo_from_headers(headers: Mapping[str, str]) -> Slo:
             values.append(None)
             continue
         text = raw.strip()
-        if not text.isascii() or not text.isdigit() or not 0 < int(text) <= MAX_SLO_MS:
+        if not (text.isascii() and text.isdigit() and len(text) <= 6) or not 0 < int(text) <= MAX_SLO_MS:
             raise InvalidRequest(
                 f"The header {name} must be a whole number of milliseconds from 1 to {MAX_SLO_MS:,}.",
                 param=name,

@@ -296,6 +296,8 @@ StreamEvent = Annotated[TokenChunk | FinalChunk | ErrorChunk, Field(discriminato
 class Heartbeat(Message):
     """A worker's live state, refreshed about once a second under hb:<pool>:<worker> with a TTL."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # figures placement divides
+
     worker_id: Name
     pool: Name
     model: str

@@ -101,11 +101,11 @@ async def test_auto_splits_a_long_prompt_only_while_the_decode_worker_is_busy(
 ) -> None:
     config = tmp_path / "pools.toml"
     config.write_text(SPLIT_POOL.format(disaggregation='mode = "auto"'))
-    decode = SimulatedEngineConfig(ttft_ms=5, token_ms=30)
+    decode = SimulatedEngineConfig(ttft_ms=5, token_ms=30, prefill_ms_per_token=0.5)  # 2,000 tokens/s
     async with pipeline(bus, engines=[decode, DECODE], roles=["decode", "prefill"], config=config) as p:
         names = p.settings.names
-        # Idle: prefilling 2,000 tokens where it decodes (1 s at the pool's default rate) is cheaper than
-        # the same on the prefill worker plus the transfer.
+        # Idle: prefilling 2,000 tokens where it decodes (1 s at its 2,000 tokens/s) is cheaper than the
+        # same on the prefill worker (the pool's default rate until it measures one) plus the transfer.
         idle = prompt_request("req-auto-idle-00001", 2000)
         events = await send_and_collect(p, idle)
         assert isinstance(events[-1], FinalChunk)

@@ -123,7 +123,9 @@ async def test_tiers_then_teams_by_tokens_served_then_batch(bus: Bus) -> None:
             request("flood-000001", "flood"),
             request("flood-000002", "flood"),
             request("flood-000003", "flood"),
-            request("flex-0000001", "quiet", Tier.FLEX),
+            # A flex request no worker can serve within its SLO is refused, not held: with a minute's SLO
+            # this one waits its turn behind the held default requests.
+            request("flex-0000001", "quiet", Tier.FLEX).model_copy(update={"ttft_slo_ms": 60_000}),
             request("quiet-000001", "quiet"),
             request("urgent-00001", "vip", Tier.PRIORITY),
         ]

@@ -27,7 +27,7 @@ from gpu_workers.slots import Slots
 from openai_api.admission import slo_from_headers
 from openai_api.errors import InvalidRequest
 from plumbing.latency import Correction, backlog_now, itl_after, predicted_ttft, slot_wait_s
-from queue_schemas.messages import Heartbeat, PlacementNote, Priority, Tier, WorkerState
+from queue_schemas.messages import Handoff, Heartbeat, PlacementNote, Priority, Tier, WorkerState
 from tests.integration.helpers import make_request
 
 NOW = 1000.0
@@ -232,7 +232,7 @@ def test_slo_headers_are_read(headers: dict[str, str], expected: tuple[int | Non
     assert (slo.ttft_ms, slo.tpot_ms) == expected
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "abc", "1e3", "2.5", "600001", "\u0661\u0662", ""])
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "1e3", "2.5", "600001", "\u0661\u0662", "", "9" * 5000])
 def test_a_bad_slo_header_is_a_400_naming_it(value: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         slo_from_headers({"x-slo-ttft-ms": value})
@@ -309,3 +309,17 @@ def test_the_worker_counts_the_adapters_its_running_requests_use() -> None:
     assert slots.adapters_in_use() == 2  # "a" still runs
     slots.ended(requests[1].request_id)
     assert slots.adapters_in_use() == 1
+
+
+def test_a_request_that_waited_for_a_slot_or_was_split_does_not_mislead_the_ledger() -> None:
+    ledger = FirstTokenLedger()
+    note = PlacementNote(placed_at=0.0, predicted_ttft_s=1.0, uncached_tokens=4096)
+    waited = make_request("sim", "req-slot-0001").model_copy(update={"placement": note})
+    ledger.arrived(waited, 10.0)
+    ledger.started(waited.request_id, 15.0)  # five seconds for a slot, then its prefill
+    ledger.first_token(waited.request_id, 16.0)
+    assert ledger.rate == 0.0  # 4,096 tokens in 6 s would have read 683 tokens/s
+    handoff = Handoff(id="a" * 32, prefill_worker="p0", wait_s=10)
+    split = make_request("sim", "req-split-0001").model_copy(update={"placement": note, "handoff": handoff})
+    ledger.arrived(split, 20.0)
+    assert ledger.backlog(20.0) == 0  # its prompt is computed on the prefill worker
