@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.sim.disagg import WORKLOADS as DISAGG_WORKLOADS
 from bench.sim.engine import TimingModel
 from bench.sim.fleet import Outcome, Scaler, simulate
 from bench.sim.metrics import Summary, summarize, violation_minutes
@@ -488,7 +489,7 @@ def llmd(args: argparse.Namespace) -> None:
 def disagg(args: argparse.Namespace) -> None:
     from bench.sim.disagg import main as experiment
 
-    experiment(args.seeds, args.jobs, args.duration, args.loads, args.all)
+    experiment(args.seeds, args.jobs, args.duration, args.loads, args.all, args.disagg_workloads)
 
 
 def line_style(n: int) -> dict[str, Any]:
@@ -617,6 +618,10 @@ def main() -> None:
     )
     parser.add_argument("--loads", type=float, nargs="+", default=[1.0, 1.5], help="for `disagg`: x rates")
     parser.add_argument("--all", action="store_true", help="for `disagg`: every configuration, not the best")
+    parser.add_argument(
+        "--disagg-workloads", nargs="+", choices=DISAGG_WORKLOADS, default=list(DISAGG_WORKLOADS),
+        help="for `disagg`: which workloads",
+    )  # fmt: skip
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     parser.add_argument(
         "--tables", type=Path, nargs="+", default=[], help="for `frontier`: `scaling` outputs"

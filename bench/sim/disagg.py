@@ -327,12 +327,20 @@ def row(c: Cell, gpus: int) -> str:
     )
 
 
+WORKLOADS = ("shared-prefix", "multi-turn", "bursty-code")
+
+
 def main(
-    seeds: Sequence[int], jobs: int, duration_s: float, loads: Sequence[float], show_all: bool = False
+    seeds: Sequence[int],
+    jobs: int,
+    duration_s: float,
+    loads: Sequence[float],
+    show_all: bool = False,
+    workloads: Sequence[str] = WORKLOADS,
 ) -> None:
     gpus, prefill_counts, thresholds, stall_weights = 8, (1, 2, 3, 4, 6), (256, 1024, 4096), (1.0, 4.0)
     for load in loads:
-        for name in ("shared-prefix", "multi-turn", "bursty-code"):
+        for name in workloads:
             w = workload_at(name, load, duration_s)
             runs = configurations(gpus, prefill_counts, thresholds, stall_weights)
             tasks = [(run, name, load, duration_s, seed) for run in runs for seed in seeds]
