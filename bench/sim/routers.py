@@ -646,9 +646,10 @@ def make_router(name: str, seed: int, policy: PlacementPolicy | None = None) -> 
         "llm-d-flow-control": LlmdRouter(rng, flow_control=True),
         "llm-d-predicted": LlmdPredictedLatencyRouter(rng),
         "dynamo": DynamoRouter(rng),
-        # For LoRA workloads: sluice with the adapter term off, and llm-d with the lora-affinity-scorer.
+        # For LoRA workloads: sluice's weighted sum with the adapter term off, and llm-d with the
+        # lora-affinity-scorer.
         "sluice-adapter-blind": SluiceRouter(
-            PlacementPolicy(weights={**default_weights(), "adapter": 0.0}), rng
+            PlacementPolicy(weights={**default_weights(), "adapter": 0.0}, objective="score"), rng
         ),
         "llm-d-lora": LlmdRouter(rng, lora_weight=4.0),
     }
