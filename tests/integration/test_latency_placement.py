@@ -42,9 +42,10 @@ ENGINE = SimulatedEngineConfig(
     timing="batched", scheduling="fcfs", prefill_ms_per_token=1000 / RATE, step_ms=15, kv_blocks=8192
 )
 DEFAULTS = LatencyDefaults(RATE, 0.015)
-# The model's stated error: the simulator's heartbeat-view runs give a median relative error of 15% and a
-# 90th percentile of 65% (docs/benchmarks.md, "The latency model"); one request is checked against 65%.
-STATED_ERROR = 0.65
+# The model's stated error: in the fleet simulator its relative error has a median of 11-22% and a 90th
+# percentile of 34-77% by workload (docs/benchmarks.md, "Placement by predicted latency"); one request
+# is checked against the largest 90th percentile.
+STATED_ERROR = 0.77
 
 
 def request(rid: str, tokens: int, seed: int, slo_ms: int | None = None) -> InferenceRequest:
