@@ -3,7 +3,10 @@
 `choose_fast` computes exactly what `placement.choose` computes (same filters, same terms, same
 tie-breaking among equal best scores), with numpy over columns that are updated when a heartbeat
 arrives or a request is placed, instead of Python objects built per decision. `placement.choose` stays
-the readable reference; tests check that both pick from the same best set.
+the readable reference; tests check that both pick from the same best set, over tables built from
+snapshots. One difference is by design: a snapshot knows only how many prompt tokens were placed on a
+worker since its heartbeat, so the reference ages them from the heartbeat's time, while the table
+ages each placement's tokens from the time it was made (`WorkerTable.work_at`).
 """
 
 from __future__ import annotations
