@@ -3,20 +3,21 @@ decision, the worker's report of its own error, the dashboard and the fleet simu
 functions, on scalars or on numpy columns.
 
 An engine runs steps. Each decodes one token for every running request and computes up to
-`chunk_tokens` of the prompts waiting to be prefilled, in arrival order (vLLM's chunked prefill). From
-what a worker reports in its heartbeat:
+`chunk_tokens` of the prompts waiting to be prefilled, in arrival order (vLLM's chunked prefill). A
+worker reports in its heartbeat:
 
-- `step_s`: a decode step at its running batch (the mean gap between two tokens of a stream, measured);
+- `step_s`: a decode step at its running batch (token gaps measured while no prompt waits);
 - `prefill_tokens_per_s`: prompt tokens it computes per second of prefill work;
-- `prefill_backlog`: uncached prompt tokens of the requests it holds that have no first token yet;
+- `prefill_backlog`: uncached prompt tokens of the requests it holds that have no first token yet.
 
-less what it has computed since it reported them (`backlog_now`), and what the dispatcher placed there
-since (`in_flight_tokens`), a request with `uncached` tokens to
+The prefill work queued there now is that backlog less what the worker computed since it reported it
+(`backlog_now`), plus what the dispatcher placed there since. A request with `uncached` tokens to
 compute has its first token after the rest of the step in progress, the prefill of everything ahead of
-it and of its own tokens (each chunk one more step), and the wait for a running slot when all are taken:
+it and of its own tokens (each chunk one more step), and the wait for a running slot when all are
+taken:
 
     ttft = step_s / 2 + tokens / prefill_rate + ceil(tokens / chunk) * step_s + slot_wait,
-    tokens = backlog + in_flight_tokens + uncached
+    tokens = prefill work queued + uncached
 
 times the worker's correction: the smoothed ratio of observed to predicted first-token times of the
 requests it finished (`Correction`), which takes up what the heartbeat's figures miss (their age,
