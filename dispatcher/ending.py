@@ -75,6 +75,8 @@ class Ending(DispatcherState):
         hold and its client gets `overloaded` (HTTP 429) naming why."""
         request = held.request
         await self._settle_ended(request, UsageStatus.FAILED, ErrorCode.OVERLOADED)
+        if request.request_id not in self.hold:
+            return  # cancelled meanwhile: it left the hold, and its cancel answered it
         metrics.OUTCOMES.labels(self.pool, "shed").inc()
         self._answer_soon(held, partial(self._answer_error, request, ErrorCode.OVERLOADED, reason))
 

@@ -68,23 +68,24 @@ def placement_note(decision: Decision, now: float) -> PlacementNote | None:
     return PlacementNote(placed_at=now, predicted_ttft_s=predicted, uncached_tokens=decision.uncached_tokens)
 
 
-Tried = Literal["placed", "full", "waits"]
-# Why a request waits that says nothing of the others: its own SLO, or a busy worker holding its prefix.
-OWN_WAITS = frozenset({SLO_REASON, AFFINITY_REASON})
+# `waits`: for a busy worker holding its prefix; `slo`: for a worker that meets its SLO. Either says
+# nothing of the other requests.
+Tried = Literal["placed", "full", "waits", "slo"]
 
 
 class Placing(Ending):
     async def _place_held(self) -> None:
         """Offer the held requests to placement in order. A round ends after `max_misses_per_round`
         requests in a row fit nowhere. A request that waits for its own SLO or for the busy worker
-        holding its prefix does not end it: the requests of its band go on being tried (a team's stop
-        once that many of them waited so, so one team's waiting requests cannot hold the others'
-        back), and the round ends at the next band, which must not take what it waits for."""
+        holding its prefix does not end it: the requests go on being tried (a team's stop once that
+        many of them waited so, so one team's waiting requests cannot hold the others' back). After a
+        request waits for its SLO, the round ends at the next band, which must not take the capacity
+        it waits for."""
         if not len(self.hold):
             return
         misses = batch_tries = 0
         waits: Counter[str] = Counter()
-        waiting_band: int | None = None  # the best band of a request that waits for its own reason
+        waiting_band: int | None = None  # the best band of a request that waits for its SLO
         now = time.time()
         for held in list(self.hold.ordered()):
             if held.not_before > now:
@@ -108,10 +109,11 @@ class Placing(Ending):
             except Exception as exc:  # a fault of this request's alone: it ends, the round goes on
                 self._end_failed(held, exc)
                 tried = "placed"
-            if tried == "waits":
+            if tried in ("waits", "slo"):
                 waits[team] += 1
-                band = held.request.band
-                waiting_band = band if waiting_band is None else min(waiting_band, band)
+                if tried == "slo":
+                    band = held.request.band
+                    waiting_band = band if waiting_band is None else min(waiting_band, band)
                 continue
             misses = 0 if tried == "placed" else misses + 1
             if misses >= self.settings.max_misses_per_round:
@@ -119,8 +121,8 @@ class Placing(Ending):
         self._export_hold()
 
     async def _try_place(self, held: Held) -> Tried:
-        """`placed` when the request left the hold (placed, answered or ended), `waits` when it waits
-        for a reason of its own, `full` when it fits nowhere now."""
+        """`placed` when the request left the hold (placed, answered or ended), `waits` or `slo` when it
+        waits for a reason of its own, `full` when it fits nowhere now."""
         logged = 0
         if held.taken_over is not None:
             moving = await self._prepare_move(held)
@@ -144,7 +146,9 @@ class Placing(Ending):
             await self._shed(held, f"{decision.reason} ({demand.ttft_slo_s or self.policy.ttft_slo_s:g} s)")
             return "placed"
         if decision.worker_id is None:
-            return "waits" if decision.reason in OWN_WAITS else "full"
+            if decision.reason == SLO_REASON:
+                return "slo"
+            return "waits" if decision.reason == AFFINITY_REASON else "full"
         # A split request's prompt is computed by its prefill worker: the decode worker queues none of it,
         # and the prediction (of a local prefill) is not what its first token measures.
         note = None if handoff is not None else placement_note(decision, time.time())

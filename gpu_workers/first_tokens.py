@@ -70,6 +70,15 @@ class FirstTokenLedger:
         self._held += tokens
         self._work, self._since = ahead + tokens, now
 
+    def prefilled_here(self, request_id: str, tokens: int, now: float) -> None:
+        """A split request whose KV did not come: the worker computes its prompt itself after all."""
+        entry = self._waiting.get(request_id)
+        if entry is None or entry.tokens:
+            return
+        entry.tokens, entry.ahead = tokens, math.inf  # (its time measures no rate)
+        self._held += tokens
+        self._work, self._since = min(float(self._held), self._left(now) + tokens), now
+
     def started(self, request_id: str, now: float) -> None:
         """It took a running slot. One that waited for it does not measure the prefill rate."""
         entry = self._waiting.get(request_id)

@@ -57,6 +57,10 @@ class Serving(WorkerParts):
             refusal = start_refusal(request, time.time())
             if refusal is None and request.handoff is not None and self.handoffs is not None:
                 loaded = (await self.handoffs.await_kv(request)).kv  # None: prefilled here
+                if loaded is None:
+                    self.first_tokens.prefilled_here(
+                        request.request_id, len(request.prompt_token_ids), time.time()
+                    )
             if refusal is None:
                 # Prefill starts at once; the start check goes out with the first chunk.
                 pieces = EarlyStart(self.engine.generate(request, loaded))

@@ -323,3 +323,18 @@ def test_a_request_that_waited_for_a_slot_or_was_split_does_not_mislead_the_ledg
     split = make_request("sim", "req-split-0001").model_copy(update={"placement": note, "handoff": handoff})
     ledger.arrived(split, 20.0)
     assert ledger.backlog(20.0) == 0  # its prompt is computed on the prefill worker
+
+
+def test_a_split_request_that_falls_back_to_a_local_prefill_joins_the_backlog() -> None:
+    ledger = FirstTokenLedger()
+    handoff = Handoff(id="b" * 32, prefill_worker="p0", wait_s=10)
+    split = make_request("sim", "req-fallback-0001").model_copy(update={"handoff": handoff})
+    ledger.arrived(split, 10.0)
+    assert ledger.backlog(10.0) == 0
+    ledger.prefilled_here(split.request_id, 50, 12.0)  # the KV did not come in time
+    assert ledger.backlog(12.0) == 50
+    ledger.prefilled_here(split.request_id, 50, 12.0)  # told twice: counted once
+    assert ledger.backlog(12.0) == 50
+    ledger.first_token(split.request_id, 12.5)
+    assert ledger.backlog(12.5) == 0
+    assert ledger.rate == 0.0  # its time measures no rate
