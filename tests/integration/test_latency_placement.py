@@ -135,9 +135,12 @@ async def test_a_request_leaves_its_prefix_for_the_worker_predicted_to_answer_so
         loads = [request(f"req-lat-load-{i:04d}", 6000, seed=10 + i, slo_ms=60_000) for i in range(4)]
         for load in loads:
             await send(p, load)
+        await eventually(lambda: _all_placed(p, loads), 20, "the load placed (on w0, w1 draining)")
         # Withdrawn: w1 is ready again, and w0 holds 24,000 prompt tokens (6 s) to compute.
         await p.redis.delete(names.drain_request("w1"))
-        await eventually(lambda: _state(p, "w1", "ready"), 10, "w1 ready")
+        ready_seq = await eventually(lambda: _ready_seq(p, "w1"), 10, "w1 ready")
+        # Two heartbeats later the dispatcher's view has it ready too (it reads every heartbeat).
+        await eventually(lambda: _seq_past(p, "w1", ready_seq + 2), 10, "w1's next heartbeats")
         await eventually(lambda: _backlog(p, "w0", 12_000), 10, "w0's heartbeat shows the load")
 
         probe = with_prefix("req-lat-probe-0001", prefix, seed=2)
@@ -199,6 +202,22 @@ async def test_a_request_no_worker_can_serve_within_its_slo_is_held_until_one_ca
 async def _state(p: Pipeline, worker: str, state: str) -> bool:
     hb = (await beats(p)).get(worker)
     return hb is not None and hb.state.value == state
+
+
+async def _all_placed(p: Pipeline, requests: list[InferenceRequest]) -> bool:
+    names = p.settings.names
+    return all([await p.redis.exists(names.placement(r.request_id)) for r in requests])
+
+
+async def _ready_seq(p: Pipeline, worker: str) -> int:
+    """The sequence number of the worker's heartbeat once it says ready (0 until then)."""
+    hb = (await beats(p)).get(worker)
+    return hb.seq if hb is not None and hb.state.value == "ready" else 0
+
+
+async def _seq_past(p: Pipeline, worker: str, seq: int) -> bool:
+    hb = (await beats(p)).get(worker)
+    return hb is not None and hb.seq >= seq
 
 
 async def _backlog(p: Pipeline, worker: str, tokens: int) -> bool:
