@@ -1,9 +1,10 @@
 """What the scaler measures of a pool, turned into PoolSignals for the policy. Pure.
 
 Per-replica capacity and start-up time start from the pool file's figures and follow what the workers
-report: completions per second of replicas that were busy (so idle replicas do not drag the figure
-down) and ready for a minute at least (so a new replica's first, partial window does not either), and
-the time from a worker's process start to its first `ready` heartbeat.
+report: completions per second of replicas that were saturated (work waits for them and their slots or
+their KV are full: a replica with a request waiting behind a prefill, slots free, completes what it is
+given, not what it can do) and ready for a minute at least (so a new replica's first, partial window
+does not count), and the time from a worker's process start to its first `ready` heartbeat.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from scaler.policy import PoolSignals
 # A replica's completion rate is counted over a window (10 s in the worker) and its first requests take a
 # while to finish; a replica ready for less than this would report a fraction of what it can do.
 CAPACITY_SETTLE_S = 60.0
+# KV this close to full stops a replica admitting more requests (vLLM keeps a few blocks for growth).
+KV_FULL_SHARE = 0.05
 
 
 class Ewma:
@@ -43,10 +46,20 @@ class ReplicaMeasures:
                 if key not in self._started_seen:
                     self._started_seen.add(key)
                     self.startup.add(max(0.0, hb.ready_at - hb.started_at))
-            busy = hb.waiting > 0 or hb.inbox_pending > 0
             settled = hb.ready_at is not None and hb.sent_at - hb.ready_at >= CAPACITY_SETTLE_S
-            if hb.state is WorkerState.READY and busy and settled and hb.completed_per_s > 0:
+            if hb.state is WorkerState.READY and saturated(hb) and settled and hb.completed_per_s > 0:
                 self.capacity.add(hb.completed_per_s)
+
+
+def saturated(hb: Heartbeat) -> bool:
+    """Work waits for the replica and its slots or its KV are full, so its completions are what it serves
+    at most. A worker that does not state its slots (`max_running` 0) is judged by waiting work alone."""
+    if hb.waiting <= 0 and hb.inbox_pending <= 0:
+        return False
+    if hb.max_running <= 0:
+        return True
+    kv_full = hb.kv_blocks_total > 0 and hb.kv_blocks_free <= KV_FULL_SHARE * hb.kv_blocks_total
+    return hb.running >= hb.max_running or kv_full
 
 
 def pool_signals(

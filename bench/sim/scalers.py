@@ -1,6 +1,6 @@
 """Scaling rules the fleet simulator compares, each acting through the same start-up delay.
 
-- `sluice`: the project's scaler, unchanged: `ArrivalEstimator` (Holt) on the arrival counter,
+- `sluice`: the project's scaler, unchanged: `ArrivalEstimator` (a line over 300 s) on the arrival counter,
   `ReplicaMeasures` and `pool_signals` on heartbeats (it learns the start-up from the replicas' launch and
   ready times, as from the live heartbeats' started_at and ready_at), and `policy.decide` every tick.
 - `keda`: KEDA's Kafka scaler as the HPA applies it. Sources: kedacore/keda pkg/scalers/kafka_scaler.go
@@ -83,7 +83,9 @@ class SluiceScaler:
         beats = [
             Heartbeat.model_construct(
                 worker_id=f"r{r.index}", pool="sim", model="m", state=WorkerState.READY, seq=1,
-                sent_at=state.now, ttl_ms=3000, waiting=r.queue, inbox_pending=0,
+                sent_at=state.now, ttl_ms=3000, waiting=r.queue, inbox_pending=0, running=r.scheduled,
+                max_running=r.model.max_seqs, kv_blocks_total=r.model.kv_blocks,
+                kv_blocks_free=max(0, r.free_blocks),
                 completed_per_s=state.completed_recent.get(r.index, 0.0), ready_at=r.ready_at,
                 started_at=r.launched_at,
             )

@@ -58,6 +58,18 @@ def test_measures_follow_busy_replicas_and_first_ready_times() -> None:
     assert m.startup.samples == 1, "a worker's start-up counts once"
 
 
+def test_capacity_is_sampled_only_where_slots_or_kv_are_full() -> None:
+    m = ReplicaMeasures(capacity_default=4.0, startup_default=180.0)
+    # A request waits (behind a prefill) while slots are free: its completions are not what it can do.
+    m.observe([beat("a", completed_per_s=2.0, waiting=1, running=3, max_running=8, ready_at=160.0)])
+    assert m.capacity.value == 4.0
+    m.observe([beat("a", completed_per_s=7.0, waiting=1, running=8, max_running=8, ready_at=160.0)])
+    assert m.capacity.value == 7.0
+    m.observe([beat("b", completed_per_s=5.0, waiting=2, running=5, max_running=8, ready_at=160.0,
+                    kv_blocks_free=0)])  # fmt: skip
+    assert m.capacity.samples == 2, "full KV is saturated too"
+
+
 def test_pool_signals_count_states_backlog_and_launching() -> None:
     m = ReplicaMeasures(4.0, 180.0)
     beats = [
