@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.sim.disagg import AUTO_SETTINGS as DISAGG_AUTO
+from bench.sim.disagg import THRESHOLDS as DISAGG_THRESHOLDS
 from bench.sim.disagg import WORKLOADS as DISAGG_WORKLOADS
 from bench.sim.engine import TimingModel
 from bench.sim.fleet import Outcome, Scaler, simulate
@@ -489,7 +491,10 @@ def llmd(args: argparse.Namespace) -> None:
 def disagg(args: argparse.Namespace) -> None:
     from bench.sim.disagg import main as experiment
 
-    experiment(args.seeds, args.jobs, args.duration, args.loads, args.all, args.disagg_workloads)
+    experiment(
+        args.seeds, args.jobs, args.duration, args.loads, args.all, args.disagg_workloads,
+        args.thresholds, args.auto_settings,
+    )  # fmt: skip
 
 
 def line_style(n: int) -> dict[str, Any]:
@@ -618,6 +623,14 @@ def main() -> None:
     )
     parser.add_argument("--loads", type=float, nargs="+", default=[1.0, 1.5], help="for `disagg`: x rates")
     parser.add_argument("--all", action="store_true", help="for `disagg`: every configuration, not the best")
+    parser.add_argument(
+        "--thresholds", type=int, nargs="+", default=list(DISAGG_THRESHOLDS),
+        help="for `disagg`: llm-d's thresholds T (uncached prompt tokens) to sweep",
+    )  # fmt: skip
+    parser.add_argument(
+        "--auto-settings", nargs="+", default=list(DISAGG_AUTO),
+        help="for `disagg`: sluice's stall weights W, or W:M with M the least uncached tokens to split",
+    )  # fmt: skip
     parser.add_argument(
         "--disagg-workloads", nargs="+", choices=DISAGG_WORKLOADS, default=list(DISAGG_WORKLOADS),
         help="for `disagg`: which workloads",

@@ -80,8 +80,10 @@ def prefill_rate(model: TimingModel) -> float:
 
 
 def config_for(run: SplitRun, model: TimingModel) -> DisaggregationConfig:
-    """`threshold:T` sets the threshold; `auto:W` sets `stall_weight` (auto alone: the default, 1)."""
+    """`threshold:T` sets the threshold; `auto:W` sets `stall_weight` (auto alone: the default, 1) and
+    `auto:W:M` also `min_uncached_tokens` (default 256)."""
     mode, _, arg = run.policy.partition(":")
+    arg, _, least = arg.partition(":")
     return DisaggregationConfig(
         mode=mode,  # type: ignore[arg-type]
         threshold_tokens=int(arg) if mode == "threshold" else 0,
@@ -89,6 +91,7 @@ def config_for(run: SplitRun, model: TimingModel) -> DisaggregationConfig:
         transfer_s_per_token=run.transfer.per_token_s,
         prefill_tokens_per_s=prefill_rate(model),
         stall_weight=float(arg) if mode == "auto" and arg else 1.0,
+        min_uncached_tokens=int(least) if mode == "auto" and least else 256,
     )
 
 
@@ -275,13 +278,13 @@ def one(run: SplitRun, workload: str, load: float, duration_s: float, seed: int)
 
 
 def configurations(
-    gpus: int, prefill_counts: Sequence[int], thresholds: Sequence[int], stall_weights: Sequence[float]
+    gpus: int, prefill_counts: Sequence[int], thresholds: Sequence[int], auto_settings: Sequence[str]
 ) -> list[SplitRun]:
     runs = [SplitRun("never", gpus, 0)]
     for p in prefill_counts:
         runs.append(SplitRun("always", gpus, p))
         runs.extend(SplitRun(f"threshold:{t}", gpus, p) for t in thresholds)
-        runs.extend(SplitRun(f"auto:{w:g}", gpus, p) for w in stall_weights)
+        runs.extend(SplitRun(f"auto:{a}", gpus, p) for a in auto_settings)
     return runs
 
 
@@ -328,6 +331,8 @@ def row(c: Cell, gpus: int) -> str:
 
 
 WORKLOADS = ("shared-prefix", "multi-turn", "bursty-code")
+THRESHOLDS = (256, 1024, 4096)  # llm-d's threshold T, in prompt tokens uncached on the decode worker
+AUTO_SETTINGS = ("1", "4")  # sluice's W, or W:M (stall weight, least uncached tokens to split)
 
 
 def main(
@@ -337,12 +342,14 @@ def main(
     loads: Sequence[float],
     show_all: bool = False,
     workloads: Sequence[str] = WORKLOADS,
+    thresholds: Sequence[int] = THRESHOLDS,
+    auto_settings: Sequence[str] = AUTO_SETTINGS,
 ) -> None:
-    gpus, prefill_counts, thresholds, stall_weights = 8, (1, 2, 3, 4, 6), (256, 1024, 4096), (1.0, 4.0)
+    gpus, prefill_counts = 8, (1, 2, 3, 4, 6)
     for load in loads:
         for name in workloads:
             w = workload_at(name, load, duration_s)
-            runs = configurations(gpus, prefill_counts, thresholds, stall_weights)
+            runs = configurations(gpus, prefill_counts, thresholds, auto_settings)
             tasks = [(run, name, load, duration_s, seed) for run in runs for seed in seeds]
             with ProcessPoolExecutor(jobs) as pool:
                 results = list(pool.map(_one, tasks))
