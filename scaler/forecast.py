@@ -43,18 +43,24 @@ class ArrivalEstimator:
         self._readings: deque[tuple[float, int]] = deque()
 
     def observe(self, now: float, total: int) -> tuple[float, float]:
-        """Feed the counter's value at `now`; returns (rate per second, trend per second per second)."""
+        """Feed the counter's value at `now`; returns (rate per second, trend per second per second).
+
+        A counter that falls (a topic recreated, a failed read) starts the readings again from its new
+        value rather than counting the jump back as arrivals on the next reading."""
         if self._readings and now <= self._readings[-1][0]:
             return self.rate, self.trend
+        if self._readings and total < self._readings[-1][1]:
+            self._readings.clear()
         self._readings.append((now, total))
         while len(self._readings) > 2 and now - self._readings[1][0] >= self.window_s:
             self._readings.popleft()
         if len(self._readings) < 2:
             return self.rate, self.trend
-        points = [
-            ((t0 + t1) / 2, max(0, c1 - c0) / (t1 - t0), t1 - t0)
-            for (t0, c0), (t1, c1) in itertools.pairwise(self._readings)
-        ]
+        start = now - self.window_s
+        points = []
+        for (t0, c0), (t1, c1) in itertools.pairwise(self._readings):
+            inside = max(t0, start)  # an interval reaching back past the window counts for its part in it
+            points.append(((inside + t1) / 2, (c1 - c0) / (t1 - t0), t1 - inside))
         level, slope = fit_line(points, now)
         if len(points) < 3:
             slope = 0.0  # two rates are not a trend

@@ -256,7 +256,9 @@ class Scaler:
         for partition, value in lag.partitions.items():
             c.window.record(now, partition, lag.committed.get(partition, 0), value)
         statuses = c.window.statuses(has_consumers=dispatchers > 0)
-        rate, trend = c.estimator.observe(now, lag.end_total)
+        if lag.partitions:  # no partitions read: the counter is unknown this tick, not zero
+            c.estimator.observe(now, lag.end_total)
+        rate, trend = c.estimator.rate, c.estimator.trend
         c.measures.observe(beats)
         launching = self.backend.launching(name, {hb.worker_id for hb in beats})
         signals = pool_signals(now, lag.total, beats, launching, rate, trend, c.measures)

@@ -53,13 +53,15 @@ class ReplicaMeasures:
 
 def saturated(hb: Heartbeat) -> bool:
     """Work waits for the replica and its slots or its KV are full, so its completions are what it serves
-    at most. A worker that does not state its slots (`max_running` 0) is judged by waiting work alone."""
+    at most. The engine counts a prompt its step has not reached as waiting, so the slots taken are
+    running + waiting. A worker that does not state its slots (`max_running` 0) is judged by waiting
+    work alone."""
     if hb.waiting <= 0 and hb.inbox_pending <= 0:
         return False
     if hb.max_running <= 0:
         return True
     kv_full = hb.kv_blocks_total > 0 and hb.kv_blocks_free <= KV_FULL_SHARE * hb.kv_blocks_total
-    return hb.running >= hb.max_running or kv_full
+    return hb.running + hb.waiting >= hb.max_running or kv_full
 
 
 def pool_signals(

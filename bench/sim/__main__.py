@@ -488,6 +488,17 @@ def llmd(args: argparse.Namespace) -> None:
     experiment(args.seeds, args.jobs)
 
 
+def auto_setting(text: str) -> str:
+    """`W` or `W:M` (a stall weight, and the least uncached tokens to split), checked at parse time."""
+    weight, _, least = text.partition(":")
+    try:
+        if float(weight) < 0 or (least and int(least) < 1):
+            raise ValueError(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want W or W:M, W >= 0 and M >= 1 tokens") from None
+    return text
+
+
 def disagg(args: argparse.Namespace) -> None:
     from bench.sim.disagg import main as experiment
 
@@ -628,7 +639,7 @@ def main() -> None:
         help="for `disagg`: llm-d's thresholds T (uncached prompt tokens) to sweep",
     )  # fmt: skip
     parser.add_argument(
-        "--auto-settings", nargs="+", default=list(DISAGG_AUTO),
+        "--auto-settings", nargs="+", default=list(DISAGG_AUTO), type=auto_setting,
         help="for `disagg`: sluice's stall weights W, or W:M with M the least uncached tokens to split",
     )  # fmt: skip
     parser.add_argument(

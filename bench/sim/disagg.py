@@ -56,7 +56,7 @@ class Transfer:
 
 @dataclass
 class SplitRun:
-    policy: str  # never, always, threshold:T, auto, auto:W
+    policy: str  # never, always, threshold:T, auto, auto:W, auto:W:M
     gpus: int = 8  # replicas in all, prefill and decode
     prefill: int = 0  # of them, prefill-only
     transfer: Transfer = field(default_factory=Transfer)
@@ -84,14 +84,15 @@ def config_for(run: SplitRun, model: TimingModel) -> DisaggregationConfig:
     `auto:W:M` also `min_uncached_tokens` (default 256)."""
     mode, _, arg = run.policy.partition(":")
     arg, _, least = arg.partition(":")
+    extra = {"min_uncached_tokens": int(least)} if mode == "auto" and least else {}
     return DisaggregationConfig(
+        **extra,
         mode=mode,  # type: ignore[arg-type]
         threshold_tokens=int(arg) if mode == "threshold" else 0,
         transfer_fixed_s=run.transfer.fixed_s,
         transfer_s_per_token=run.transfer.per_token_s,
         prefill_tokens_per_s=prefill_rate(model),
         stall_weight=float(arg) if mode == "auto" and arg else 1.0,
-        min_uncached_tokens=int(least) if mode == "auto" and least else 256,
     )
 
 

@@ -68,6 +68,9 @@ def test_capacity_is_sampled_only_where_slots_or_kv_are_full() -> None:
     m.observe([beat("b", completed_per_s=5.0, waiting=2, running=5, max_running=8, ready_at=160.0,
                     kv_blocks_free=0)])  # fmt: skip
     assert m.capacity.samples == 2, "full KV is saturated too"
+    # Slots taken are running + waiting: prompts the engine's step has not reached count as waiting.
+    m.observe([beat("c", completed_per_s=6.0, waiting=2, running=6, max_running=8, ready_at=160.0)])
+    assert m.capacity.samples == 3
 
 
 def test_pool_signals_count_states_backlog_and_launching() -> None:

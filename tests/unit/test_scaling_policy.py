@@ -178,3 +178,20 @@ def poisson(rng: random.Random, mean: float) -> int:
     while t < 1.0:
         count, t = count + 1, t + rng.expovariate(mean)
     return count
+
+
+def test_estimator_restarts_on_a_falling_counter_and_clips_a_long_gap() -> None:
+    est = ArrivalEstimator()
+    for i in range(30):
+        est.observe(i * 10.0, 10_000_000 + i * 100)  # 10 requests/s
+    est.observe(300.0, 0)  # the topic was recreated (or the read failed)
+    est.observe(310.0, 100)
+    assert est.forecast(180.0) == pytest.approx(10.0), "the drop is not counted as arrivals"
+    # An hour without a reading, then a ramp: the gap counts only for its last part in the window.
+    total = 100
+    for i in range(1, 31):
+        t = 3910.0 + i * 10
+        total += int((10 + 0.1 * i * 10) * 10)
+        rate, trend = est.observe(t, total)
+    assert rate == pytest.approx(40.0, abs=6.0)
+    assert trend > 0.05
