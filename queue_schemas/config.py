@@ -218,7 +218,7 @@ class ScalingConfig(BaseModel):
     requests_per_replica_s: float = Field(default=4.0, gt=0, description="capacity until one is measured")
     startup_s: float = Field(default=180.0, gt=0, description="replica start-up time until one is measured")
     queue_slo_s: float = Field(default=30.0, gt=0, description="a backlog is drained within this")
-    target_utilization: float = Field(default=0.8, gt=0, le=1)
+    target_utilization: float = Field(default=0.9, gt=0, le=1)
     cooldown_s: float = Field(default=300.0, ge=0)
     step_down_every_s: float = Field(default=60.0, ge=0)
     spec_decoding: Literal["on", "off", "auto"] = "off"

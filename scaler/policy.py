@@ -23,7 +23,7 @@ class ScalingPolicy:
     min_replicas: int = 1
     max_replicas: int = 8
     queue_slo_s: float = 30.0
-    target_utilization: float = 0.8
+    target_utilization: float = 0.9
     cooldown_s: float = 300.0
     step_down_every_s: float = 60.0
     scale_to_zero: bool = False
