@@ -61,10 +61,10 @@ class ArrivalEstimator:
         for (t0, c0), (t1, c1) in itertools.pairwise(self._readings):
             inside = max(t0, start)  # an interval reaching back past the window counts for its part in it
             points.append(((inside + t1) / 2, (c1 - c0) / (t1 - t0), t1 - inside))
-        level, slope = fit_line(points, now)
-        if len(points) < 3:
-            slope = 0.0  # two rates are not a trend
-            level = sum(y * w for _, y, w in points) / sum(w for _, _, w in points)
+        if len(points) < 3:  # two rates are not a trend: their weighted mean, flat
+            level, slope = fit_line([(now, y, w) for _, y, w in points], now)
+        else:
+            level, slope = fit_line(points, now)
         self.rate, self.trend = max(0.0, level), slope
         return self.rate, self.trend
 

@@ -59,7 +59,7 @@ from collections import deque
 import numpy as np
 
 from bench.sim.fleet import FleetState
-from queue_schemas.messages import Heartbeat, WorkerState
+from bench.sim.routers import heartbeat
 from scaler.forecast import ArrivalEstimator
 from scaler.policy import ScalerMemory, ScalingPolicy, decide
 from scaler.signals import ReplicaMeasures, pool_signals
@@ -81,16 +81,15 @@ class SluiceScaler:
     def target(self, state: FleetState) -> int:
         rate, trend = self.arrivals.observe(state.now, state.arrived)
         beats = [
-            Heartbeat.model_construct(
-                worker_id=f"r{r.index}", pool="sim", model="m", state=WorkerState.READY, seq=1,
-                sent_at=state.now, ttl_ms=3000, waiting=r.queue, inbox_pending=0, running=r.scheduled,
-                max_running=r.model.max_seqs, kv_blocks_total=r.model.kv_blocks,
-                kv_blocks_free=max(0, r.free_blocks),
-                completed_per_s=state.completed_recent.get(r.index, 0.0), ready_at=r.ready_at,
-                started_at=r.launched_at,
+            heartbeat(r, state.now, 1).model_copy(
+                update={
+                    "completed_per_s": state.completed_recent.get(r.index, 0.0),
+                    "ready_at": r.ready_at,
+                    "started_at": r.launched_at,
+                }
             )
             for r in state.ready
-        ]  # fmt: skip
+        ]
         self.measures.observe(beats)
         held = state.backlog - sum(r.queue for r in state.ready)  # the hold stands for the lag
         signals = pool_signals(state.now, held, beats, state.starting, rate, trend, self.measures)
