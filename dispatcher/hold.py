@@ -37,6 +37,13 @@ class Held:
     not_before: float = 0.0  # epoch seconds; a rate-limited batch request waits until then
     reserved: bool = False  # its quota is reserved (batch requests reserve when a worker is found)
     taken_over: InferenceRequest | None = None  # moved: the request as it was on the lost worker
+    produced_at: float | None = None  # epoch seconds its record was produced, where known (tracing)
+    waited_for: str = ""  # why it last stayed in the hold (tracing)
+    traceparent: str | None = None  # the span it came with (the request's own, when not given)
+
+    def __post_init__(self) -> None:
+        if self.traceparent is None:
+            self.traceparent = self.request.traceparent
 
     @property
     def cost(self) -> int:

@@ -12,7 +12,7 @@ import structlog
 from aiokafka import ConsumerRecord, TopicPartition
 from redis.exceptions import RedisError
 
-from dispatcher import metrics
+from dispatcher import metrics, tracing
 from dispatcher.batch_desk import Refusal
 from dispatcher.hold import Held
 from dispatcher.state import DispatcherState
@@ -86,9 +86,14 @@ class Intake(DispatcherState):
             )
         elif request is None:
             self.offsets.closed(source, record.offset)
-        elif not self.hold.add(Held(request, source, record.offset, time.monotonic())) and (
-            not self.hold.holds_record(request.request_id, source, record.offset)
-        ):
+        else:
+            self._hold_batch(request, record)
+
+    def _hold_batch(self, request: InferenceRequest, record: ConsumerRecord[Any, Any]) -> None:
+        source = (record.topic, record.partition)
+        request, produced = tracing.received(request, record.headers, record.timestamp, time.time())
+        held = Held(request, source, record.offset, time.monotonic(), produced_at=produced)
+        if not self.hold.add(held) and not self.hold.holds_record(request.request_id, source, record.offset):
             self.offsets.closed(source, record.offset)  # another record of a request already held
 
     async def _admit(self, record: ConsumerRecord[Any, Any]) -> None:
@@ -106,7 +111,8 @@ class Intake(DispatcherState):
         if request.handoff is not None or request.placement is not None:  # only the placing dispatcher
             request = request.model_copy(update={"handoff": None, "placement": None})  # sets these
         source = (record.topic, record.partition)
-        held = Held(request, source, record.offset, time.monotonic())
+        request, produced = tracing.received(request, record.headers, record.timestamp, time.time())
+        held = Held(request, source, record.offset, time.monotonic(), produced_at=produced)
         if not self.hold.add(held):
             metrics.OUTCOMES.labels(self.pool, "duplicate").inc()
             # The same record read again keeps its offset open for the held copy; another record of the

@@ -122,6 +122,11 @@ class Decision:
     predicted_ttft_s: float = math.nan  # the latency model's prediction, uncorrected, where it chose
     uncached_tokens: int = 0  # prompt tokens the chosen worker will compute
     refused: bool = False  # a sheddable request no worker can serve within its SLO: answer 429
+    # For the placement's trace span: the chosen worker's score (weighted sum, higher better; or the
+    # corrected predicted TTFT in seconds, lower better) and the next best worker with its score.
+    score: float = math.nan
+    runner_up: str | None = None
+    runner_up_score: float = math.nan
 
     @property
     def held(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Literal
 import structlog
 from redis.exceptions import RedisError
 
-from dispatcher import metrics
+from dispatcher import metrics, tracing
 from dispatcher.batch_desk import Refusal, Reserve
 from dispatcher.disagg import choose_prefill, decide_split, split_case
 from dispatcher.ending import Ending
@@ -24,6 +24,7 @@ from dispatcher.migration import decide_move
 from dispatcher.placement import AFFINITY_REASON, SLO_REASON, Decision, Demand, choose_least_loaded
 from plumbing.clients import BusUnavailable
 from plumbing.replay import read_log
+from plumbing.tracing import current as tracing_current
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import (
     Handoff,
@@ -132,7 +133,7 @@ class Placing(Ending):
         request = held.request
         waited = max(0.0, time.monotonic() - held.arrived)
         demand = demand_of(request, waited, self.hold.held_of(request.team) <= 1, held.taken_over is None)
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         if self.settings.placement == "scored":
             decision = self.view.decide(demand, time.time(), self.policy, self.rng)
         else:
@@ -146,6 +147,7 @@ class Placing(Ending):
             await self._shed(held, f"{decision.reason} ({demand.ttft_slo_s or self.policy.ttft_slo_s:g} s)")
             return "placed"
         if decision.worker_id is None:
+            held.waited_for = decision.reason
             if decision.reason == SLO_REASON:
                 return "slo"
             return "waits" if decision.reason == AFFINITY_REASON else "full"
@@ -160,14 +162,21 @@ class Placing(Ending):
             return "placed"
         if reserved is not Reserve.GO:
             return "full"
-        outcome = await self.acts.place(held, decision, logged)
+        continued = held.request.resume is not None and held.request is not held.taken_over
+        span = tracing.placing(held, decision, self.block_size, started)
+        outcome = "failed"
+        try:
+            with tracing_current(span):
+                outcome = await self.acts.place(held, decision, logged)
+        finally:
+            tracing.placed(span, held, outcome)
+        request = held.request
         if outcome == "placed":
             if held.taken_over is not None:
-                moved = held.request.resume is not None and held.request is not held.taken_over
-                await self._count_move("moved" if moved else "restarted")
+                await self._count_move("moved" if continued else "restarted")
                 log.info(
                     "request of a lost worker placed again", request_id=request.request_id,
-                    worker=decision.worker_id, moved_from=held.moved_from, continued=moved,
+                    worker=decision.worker_id, moved_from=held.moved_from, continued=continued,
                 )  # fmt: skip
             self._finish(held)
             self.hold.charge(request.team, held.cost)

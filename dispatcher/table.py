@@ -11,6 +11,7 @@ ages each placement's tokens from the time it was made (`WorkerTable.work_at`).
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -228,7 +229,20 @@ def choose_fast(
     best = score.max()
     winners = np.flatnonzero(score >= best - 1e-9)
     i = int(winners[rng.randrange(len(winners))])
-    return Decision(table.ids[i], int(matched[i]), int(needed[i]))
+    j = runner_up(score, i, higher=True)
+    second = None if j is None else table.ids[j]
+    return Decision(
+        table.ids[i], int(matched[i]), int(needed[i]), score=float(score[i]),
+        runner_up=second, runner_up_score=math.nan if j is None else float(score[j]),
+    )  # fmt: skip
+
+
+def runner_up(score: Floats, chosen: int, *, higher: bool) -> int | None:
+    """The row with the best finite score after `chosen` (None when no other row has one). Pure."""
+    others = score.copy() if higher else -score
+    others[chosen] = -np.inf
+    j = int(np.argmax(others))
+    return j if np.isfinite(others[j]) else None
 
 
 def predicted_columns(
@@ -273,7 +287,13 @@ def by_latency(
     i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone, stall, held)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
-    return Decision(table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]))
+    predicted = np.where(fit, raw * correction, np.inf)
+    j = runner_up(predicted, i, higher=False)
+    return Decision(
+        table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]),
+        score=float(predicted[i]), runner_up=None if j is None else table.ids[j],
+        runner_up_score=math.nan if j is None else float(predicted[j]),
+    )  # fmt: skip
 
 
 def choose_over(

@@ -27,6 +27,9 @@ class ChunkCoalescer:
         self._tokens: list[int] = []
         self._pending_tokens = 0
         self._last_flush: float | None = None
+        # The worker's span of the request, carried back on its first chunk from here and its final one.
+        self.traceparent: str | None = None
+        self._first = True
 
     def add(self, out: EngineOutput, now: float) -> TokenChunk | FinalChunk | None:
         """Take one engine output; return the chunk to publish now, if any."""
@@ -51,6 +54,7 @@ class ChunkCoalescer:
                 finish_reason=out.finish_reason,
                 usage=usage,
                 worker_id=self.worker_id,
+                traceparent=self.traceparent,
             )
             self.seq += 1
             return final
@@ -60,7 +64,9 @@ class ChunkCoalescer:
         chunk = TokenChunk(
             request_id=self.request_id, seq=self.seq, text=self._take_text(),
             num_tokens=self._take_tokens(), token_ids=self._take_ids(),
+            traceparent=self.traceparent if self._first else None,
         )  # fmt: skip
+        self._first = False
         self.seq += 1
         return chunk
 

@@ -19,7 +19,7 @@ from plumbing.replay import is_terminal, log_ttl_ms
 from plumbing.retry import doubling
 from queue_schemas.batch import BatchAnswer, failed_answer
 from queue_schemas.codec import encode
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk, Usage
 from queue_schemas.names import Names
 from queue_schemas.usage import Timing
 
@@ -58,6 +58,7 @@ class RequestOutput:
         self._publish_command = publish_command  # PUBLISH, or SPUBLISH on a Redis Cluster
         self._parts: list[str] = [] if request.resume is None else [request.resume.text]
         self.timing = Timing(began=time.time())  # for the request's usage event
+        self.usage: Usage | None = None  # the final chunk's, once sent
 
     async def emit(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
         """Log the chunk and stream it to the client's channel; for a batch request, gather it and

@@ -17,6 +17,8 @@ from gpu_workers.metrics import TEAM_TOKENS
 from gpu_workers.output import Moved, RequestOutput
 from gpu_workers.parts import LEAVE, REQUEST_FAULT, REQUEST_ITEMS, WorkerParts, log
 from gpu_workers.starting import STARTED_MARK_TTL_MS, start_refusal
+from gpu_workers.tracing import RequestSpans
+from plumbing import tracing
 from plumbing.clients import BusUnavailable
 from plumbing.health import item_failed
 from plumbing.protocol.request import Begun, begin_keys
@@ -48,6 +50,9 @@ class Serving(WorkerParts):
         started = False
         pieces: EarlyStart | None = None
         loaded: KvTransfer | None = None
+        spans = RequestSpans(request, entry_id, self.settings.worker_id, out.timing.began or time.time())
+        coalescer.traceparent = spans.traceparent
+        outcome = "failed"
 
         def produced() -> bool:
             """Whether the engine gave output: a request stopped after that is charged what it used."""
@@ -57,6 +62,7 @@ class Serving(WorkerParts):
             refusal = start_refusal(request, time.time())
             if refusal is None and request.handoff is not None and self.handoffs is not None:
                 loaded = (await self.handoffs.await_kv(request)).kv  # None: prefilled here
+                spans.kv_loaded(time.time())
                 if loaded is None:
                     self.first_tokens.prefilled_here(
                         request.request_id, len(request.prompt_token_ids), time.time()
@@ -64,7 +70,8 @@ class Serving(WorkerParts):
             if refusal is None:
                 # Prefill starts at once; the start check goes out with the first chunk.
                 pieces = EarlyStart(self.engine.generate(request, loaded))
-                outcome = await self._open(out, pieces, coalescer)
+                with tracing.current(spans.span):
+                    outcome = await self._open(out, pieces, coalescer)
                 if outcome == "moved":
                     log.warning(
                         "request was moved to another worker; skipping", request_id=request.request_id
@@ -74,6 +81,7 @@ class Serving(WorkerParts):
                 if outcome == "cancelled":
                     refusal = ErrorCode.CANCELLED, "the request was cancelled before it started"
             if refusal is not None:
+                outcome = str(refusal[0])
                 await self._fail(out, coalescer, started, *refusal)
             else:
                 assert pieces is not None
@@ -84,7 +92,9 @@ class Serving(WorkerParts):
                     self.first_tokens.tokens_after(now - last, piece.num_tokens)
                     last = now
                     await self._deliver(out, coalescer.add(piece, now))
+                outcome = "ok"
         except EngineError as exc:
+            outcome = "engine_error"
             if self.engine.failure() is not None:
                 # The engine is dead, not this request: the worker fails, and a dispatcher moves the
                 # request to another worker from what was delivered.
@@ -93,8 +103,10 @@ class Serving(WorkerParts):
             log.error("engine failed on a request", request_id=request.request_id, error=str(exc))
             await self._fail(out, coalescer, produced(), ErrorCode.ENGINE_ERROR, str(exc))
         except Moved:
+            outcome = "moved"
             log.warning("request moved to another worker; stopping here", request_id=request.request_id)
         except asyncio.CancelledError:
+            outcome = "left" if self._abort_reason is LEAVE else str(self._abort_reason[0])
             if self._abort_reason is LEAVE:
                 # This worker is going away: the entry stays, and a dispatcher moves the request on from
                 # what its log shows was delivered (its quota reservation stays for whoever finishes it).
@@ -111,6 +123,9 @@ class Serving(WorkerParts):
             if not await self._fail_alone(out, coalescer, produced()):
                 return  # the entry stays pending for recovery
         finally:
+            usage = out.usage
+            cached = None if usage is None else usage.cached_tokens
+            spans.finish(out.timing, outcome, coalescer.completion_tokens, cached)
             if pieces is not None:
                 await pieces.discard()
             if loaded is not None and self.handoffs is not None:
@@ -152,6 +167,7 @@ class Serving(WorkerParts):
 
     async def _deliver(self, out: RequestOutput, chunk: TokenChunk | FinalChunk | None) -> None:
         if isinstance(chunk, FinalChunk):
+            out.usage = chunk.usage
             event = usage_event(out.request, UsageStatus.COMPLETED, chunk.usage, time.time(), out.timing)
             await self._settle(out.request, chunk.usage.total_tokens, event)
             self.completions.record(time.monotonic())

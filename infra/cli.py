@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -43,9 +44,17 @@ def dev(
         int,
         typer.Option(min=0, help="run a local Redis Cluster of this many primaries (each with a replica)"),
     ] = 0,
+    exit_on_failure: Annotated[
+        bool,
+        typer.Option(
+            "--exit-on-failure", help="stop the whole stack when any process exits, instead of restarting it"
+        ),
+    ] = False,
 ) -> None:
-    """Start the embedded stack (broker, Redis, every service) and keep it up until Ctrl-C."""
-    from infra.devstack import DevStack, default_dev_config
+    """Start the embedded stack (broker, Redis, every service) and keep it up until Ctrl-C. A service
+    that exits is restarted with a back-off, as compose's restart policy would (`--exit-on-failure`:
+    the stack stops instead); the broker or Redis exiting stops it, since what they held is gone."""
+    from infra.devstack import DevStack, InfraLost, default_dev_config
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -63,6 +72,8 @@ def dev(
         ingresses=ingress,
         dispatchers=dispatchers,
         redis_cluster=redis_cluster,
+        # Each request's spans are kept for the dashboard's timeline; OTEL_* variables add an exporter.
+        extra_env={"SLUICE_TRACE_TIMELINE": "1"},
     )
     console.print("[bold]starting sluice dev stack[/] ...")
     try:
@@ -81,6 +92,15 @@ def dev(
     exit_code = 0
     try:
         while not stop.wait(0.5):
+            if not exit_on_failure:
+                try:
+                    for line in stack.supervise(time.monotonic()):
+                        console.print(f"[yellow]{line}[/]")
+                except InfraLost as exc:
+                    console.print(f"[red]{exc}[/]")
+                    exit_code = 1
+                    break
+                continue
             dead = stack.dead()
             if dead:
                 for proc in dead:

@@ -12,12 +12,14 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import httpx
+from redis.exceptions import RedisError
 
 from infra.keys import create_key, create_signing_key
 from infra.launcher import (
@@ -33,7 +35,7 @@ from infra.launcher import (
     wait_until,
 )
 from infra.topics import create_topics
-from plumbing.clients import mget_any, redis_client
+from plumbing.clients import mget_any, redis_client, sync_redis_client
 from queue_schemas.codec import decode
 from queue_schemas.config import SluiceConfig, load_config
 from queue_schemas.messages import Heartbeat
@@ -42,6 +44,11 @@ from queue_schemas.settings import BusSettings
 DEV_TEAM = "dev"
 INFRA_PROCESSES = ("broker", "redis")  # and the nodes of a local Redis Cluster, redis-cluster-PORT
 SERVICE_STOP_TIMEOUT_S = 15.0
+# Restarting a service that exited, as compose's restart policy does: after 0.5 s, doubling for each exit
+# in a row up to 30 s; a process that ran for STEADY_S before it exited starts the count again.
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 30.0
+STEADY_S = 30.0
 # How long a service process may take to answer on its first start (it fails at once if it exits).
 SERVICE_START_S = 180.0
 
@@ -119,6 +126,8 @@ class DevStack:
         self.log_dir = self.workdir / "logs"
         self.signing_key_file = self.workdir / "dev-signing-key.pem"  # the dev team's batch signer
         self._taken: set[int] = set()
+        self.bus: BusSettings | None = None
+        self.supervision = Supervision()
 
     def start(self) -> Endpoints:
         try:
@@ -154,6 +163,7 @@ class DevStack:
             config=self.config_path,
             **self.security,  # type: ignore[arg-type]
         )
+        self.bus = bus
         api_key = asyncio.run(self._prepare_bus(bus))
         ports = consecutive_free_ports(self.ingress_port, self.ingresses)
         self._taken.update(ports)
@@ -196,7 +206,8 @@ class DevStack:
         if self.config_path is not None:  # so `sluice batch` and `sluice keys` see the same pools
             lines.append(f"SLUICE_CONFIG={self.config_path.resolve()}")
         (self.workdir / "dev.env").write_text("\n".join(lines) + "\n")
-        (self.workdir / "pids").write_text("".join(f"{p.name} {p.popen.pid}\n" for p in self.processes))
+        self._write_pids()
+        self.supervision.started = dict.fromkeys((p.name for p in self.processes), time.monotonic())
         return endpoints
 
     def _spare_port(self) -> int:
@@ -296,6 +307,52 @@ class DevStack:
         time.sleep(down_s)
         return self.resume(name)
 
+    def supervise(self, now: float) -> list[str]:
+        """One round of supervision: a service that exited is restarted after its back-off (what happened
+        is returned, to print); the broker or Redis exiting raises InfraLost."""
+        said = []
+        sup = self.supervision
+        for proc in self.dead():
+            if _is_infra(proc):
+                raise InfraLost(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.log_tail()}")
+            if proc.name in sup.due:
+                continue
+            ran = now - sup.started.get(proc.name, now)
+            sup.in_a_row[proc.name] = 1 if ran >= STEADY_S else sup.in_a_row[proc.name] + 1
+            delay = restart_delay(sup.in_a_row[proc.name])
+            sup.due[proc.name] = now + delay
+            said.append(f"{proc.name} exited ({proc.popen.returncode}); restarting in {delay:g} s")
+        for name, at in sorted(sup.due.items()):
+            if at > now:
+                continue
+            del sup.due[name]
+            self.resume(name)
+            sup.started[name] = now
+            sup.restarts[name] += 1
+            self._record_restart(name)
+            said.append(f"{name} restarted ({sup.restarts[name]} so far)")
+        if said:
+            self._write_pids()
+        return said
+
+    def _record_restart(self, name: str) -> None:
+        """Counted in Redis, where the scaler's dashboard reads it."""
+        if self.bus is None:
+            return
+        try:
+            client = sync_redis_client(self.bus)
+            try:
+                client.hincrby(self.bus.names.restarts(), name, 1)
+            finally:
+                client.close()
+        except RedisError:
+            pass  # the count is for display; the restart itself went ahead
+
+    def _write_pids(self) -> None:
+        """`pids`: the live processes of the stack, one `name pid` a line."""
+        live = "".join(f"{p.name} {p.popen.pid}\n" for p in self.processes if p.alive)
+        (self.workdir / "pids").write_text(live)
+
     def stop(self) -> None:
         """Stop the services together (they drain), then Redis and the broker. The scaler alone is sent
         the signal, not its process group: it stops its workers itself, as it does anywhere, rather than
@@ -312,6 +369,25 @@ class DevStack:
         for proc in reversed([p for p in self.processes if _is_infra(p)]):
             proc.stop()
         self.processes.clear()
+
+
+class InfraLost(RuntimeError):
+    """The broker or Redis of the dev stack exited: what they held (topics, keys) is gone with them."""
+
+
+def restart_delay(exits_in_a_row: int) -> float:
+    """How long a service that exited `exits_in_a_row` times in a row waits for its restart. Pure."""
+    return min(RESTART_MAX_S, RESTART_FIRST_S * 2.0 ** max(0, exits_in_a_row - 1))
+
+
+@dataclass
+class Supervision:
+    """What `DevStack.supervise` keeps between rounds."""
+
+    restarts: Counter[str] = field(default_factory=Counter)
+    in_a_row: Counter[str] = field(default_factory=Counter)
+    started: dict[str, float] = field(default_factory=dict)  # name -> monotonic time of its last start
+    due: dict[str, float] = field(default_factory=dict)  # name -> monotonic time of its restart
 
 
 def _is_infra(proc: ManagedProcess) -> bool:

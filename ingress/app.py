@@ -25,11 +25,13 @@ from ingress.responses.store import ResponseStore
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
+from ingress.tracing import TraceMiddleware
 from ingress.usage_relay import UsageRelay
 from openai_api.errors import ApiError, MethodNotAllowed, NotFound
 from openai_api.quota_gate import QuotaGate
 from openai_api.structured import preload_schema_compiler
 from openai_api.tokenizer import tokenizer_for
+from plumbing import tracing
 from plumbing.clients import consumer_options, node_client, producer_options, redis_client, with_backoff
 from plumbing.health import Liveness
 from plumbing.loop_watch import watch_loop
@@ -116,6 +118,8 @@ def create_app(settings: IngressSettings) -> FastAPI:
             await hub_redis.aclose()
 
     app = FastAPI(title="sluice ingress", lifespan=lifespan, openapi_url="/openapi.json", docs_url=None)
+    if tracing.ENABLED:
+        app.add_middleware(TraceMiddleware)
     app.include_router(router)
     app.include_router(batch_router)
     app.include_router(responses_router)

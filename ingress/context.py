@@ -18,12 +18,14 @@ from ingress.pool_gate import PoolGate
 from ingress.responses.store import ResponseStore
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
+from ingress.tracing import before_send
 from ingress.upload_slots import UploadSlots
 from openai_api.admission import partition_key
 from openai_api.checks import CheckRunner
 from openai_api.errors import ServiceUnavailable
 from openai_api.quota_gate import QuotaGate
 from openai_api.tokenizer import PromptTokenizer
+from plumbing import tracing
 from plumbing.health import Liveness
 from plumbing.protocol.request import cancel
 from plumbing.quota import settle
@@ -66,10 +68,18 @@ class IngressContext:
 
     async def publish(self, request: InferenceRequest) -> None:
         topic = self.settings.names.requests_topic(request.pool)
+        request, headers, span = before_send(request, topic)
+        error: str | None = "not sent"
         try:
-            await self.producer.send_and_wait(topic, encode(request), key=partition_key(request))
+            await self.producer.send_and_wait(
+                topic, encode(request), key=partition_key(request), headers=headers or None
+            )
+            error = None
         except KafkaError as exc:
+            error = type(exc).__name__
             raise ServiceUnavailable("The request queue is unreachable; retry shortly.") from exc
+        finally:
+            tracing.end(span, error=error)
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Tell dispatchers and workers to drop the request; detached, so a dying handler still sends it."""

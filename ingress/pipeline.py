@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
-from ingress import relay
+from ingress import relay, tracing
 from ingress.auth import Caller
 from ingress.context import IngressContext
 from ingress.metrics import ACTIVE_STREAMS, INTER_TOKEN, REJECTIONS, REQUESTS, TTFT
@@ -267,11 +267,14 @@ async def sse_events(
     """SSE payloads for one request; if the client goes away first, cancel the request upstream."""
     finished = False
     outcome = "cancelled"
+    traced = tracing.Relay(inference)
+    final: FinalChunk | None = None
     try:
         for payload in fmt.opening():
             yield {"data": payload}
         last = 0.0
         async for event in relay.events(sub, inference, ctx.read_log):
+            traced.chunk()
             now = time.time()
             if event.seq == 0:
                 TTFT.labels(inference.pool).observe(now - inference.created_at)
@@ -283,7 +286,9 @@ async def sse_events(
             if isinstance(event, FinalChunk | ErrorChunk):
                 finished = True
                 outcome = "ok" if isinstance(event, FinalChunk) else "error"
+                final = event if isinstance(event, FinalChunk) else None
     finally:
+        traced.done(outcome, final)
         if not finished:
             ctx.cancel_soon(inference.request_id, "client disconnected")
         REQUESTS.labels(inference.pool, outcome).inc()

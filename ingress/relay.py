@@ -18,6 +18,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from ingress.streams import RESYNC, HubDisconnected, Subscription
+from ingress.tracing import Relay
 from openai_api.errors import from_bus_error
 from openai_api.openai_types import ResponseShape
 from openai_api.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
@@ -192,10 +193,18 @@ async def collect(
 ) -> dict[str, Any]:
     """Gather a whole completion for a non-streaming client; raise the translated error on failure."""
     parts: list[str] = []
-    async for event in events(sub, request, read_log):
-        if isinstance(event, ErrorChunk):
-            raise from_bus_error(event.code, event.message)
-        parts.append(event.text)
-        if isinstance(event, FinalChunk):
-            return completion_body(shape, "".join(parts), event.finish_reason, event.usage, tool)
+    traced = Relay(request)
+    outcome, final = "cancelled", None
+    try:
+        async for event in events(sub, request, read_log):
+            traced.chunk()
+            if isinstance(event, ErrorChunk):
+                outcome = "error"
+                raise from_bus_error(event.code, event.message)
+            parts.append(event.text)
+            if isinstance(event, FinalChunk):
+                outcome, final = "ok", event
+                return completion_body(shape, "".join(parts), event.finish_reason, event.usage, tool)
+    finally:
+        traced.done(outcome, final)
     raise AssertionError("events() always ends with a terminal chunk")

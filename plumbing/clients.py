@@ -22,6 +22,7 @@ from redis.exceptions import ClusterDownError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from plumbing import tracing
 from plumbing.retry import doubling
 from queue_schemas.settings import BusSettings
 
@@ -100,6 +101,20 @@ def _cluster_client(settings: BusSettings, options: dict[str, Any], retry: bool)
     assert isinstance(cluster, FailoverTolerantCluster)
     cluster.failover_s = CLUSTER_FAILOVER_S if retry else 0.0
     return cast(aioredis.Redis, cluster)
+
+
+def sync_redis_client(settings: BusSettings) -> Any:
+    """A blocking client (redis-py's Redis, or RedisCluster), for a worker thread that is not on the event
+    loop (the tracing timeline's exporter)."""
+    import redis as sync_redis
+    from redis.cluster import RedisCluster as SyncCluster
+
+    options = redis_security(settings)
+    if settings.redis_cluster:
+        return SyncCluster.from_url(settings.redis_url, socket_connect_timeout=2.0, **options)
+    return sync_redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, **options
+    )
 
 
 def node_client(settings: BusSettings, host: str, port: int) -> aioredis.Redis:
@@ -268,6 +283,7 @@ def configure_logging(settings: BusSettings, service: str) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            tracing.add_trace_id,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             *([structlog.processors.format_exc_info] if settings.log_json else []),
@@ -277,3 +293,4 @@ def configure_logging(settings: BusSettings, service: str) -> None:
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
+    tracing.configure(settings, service)

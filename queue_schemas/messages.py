@@ -19,6 +19,10 @@ Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z
 
 MAX_KEEP_LOG_S = 7 * 24 * 3600
 
+# A W3C trace context (version 00): the span a message's receiver continues its trace from.
+TRACEPARENT_PATTERN = r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+Traceparent = Annotated[str, Field(pattern=TRACEPARENT_PATTERN)]
+
 # A signed 64-bit seed, as engines take it (vLLM's own server caps seeds so).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -208,6 +212,9 @@ class InferenceRequest(Message):
         default=None, gt=0, le=MAX_SLO_MS, description="its time-per-output-token SLO (None: the pool's)"
     )
     placement: PlacementNote | None = Field(default=None, description="set by the placing dispatcher")
+    traceparent: Traceparent | None = Field(
+        default=None, description="the span its next hop continues the request's trace from"
+    )
 
     @model_validator(mode="after")
     def _kafka_reply_needs_ticket(self) -> InferenceRequest:
@@ -264,6 +271,7 @@ class TokenChunk(Message):
     text: str
     num_tokens: int = Field(ge=0)
     token_ids: tuple[int, ...] = Field(default=(), description="the tokens of `text`, for migration")
+    traceparent: Traceparent | None = Field(default=None, description="the worker's span, on a first chunk")
 
 
 class FinalChunk(Message):
@@ -278,6 +286,7 @@ class FinalChunk(Message):
     finish_reason: FinishReason
     usage: Usage
     worker_id: str
+    traceparent: Traceparent | None = Field(default=None, description="the worker's span of the request")
 
 
 class ErrorChunk(Message):

@@ -197,6 +197,18 @@ class Names:
         """Hash: seq -> every chunk of the request published so far (see plumbing.replay)."""
         return f"{self.prefix}:replay:{{{request_id}}}"
 
+    def trace(self, request_id: str) -> str:
+        """List: the request's spans as its services recorded them (plumbing.tracing), for the dashboard."""
+        return f"{self.prefix}:trace:{{{request_id}}}"
+
+    def recent_traces(self) -> str:
+        """Sorted set: request id -> its duration in seconds at the ingress, the most recent requests."""
+        return f"{self.prefix}:traces"
+
+    def restarts(self) -> str:
+        """Hash: process name -> how many times it exited and was started again (dev stack, local workers)."""
+        return f"{self.prefix}:restarts"
+
     def answered(self, request_id: str) -> str:
         return f"{self.prefix}:answered:{{{request_id}}}"
 

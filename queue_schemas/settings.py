@@ -48,6 +48,14 @@ class BusSettings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_json: bool = False
+    # Tracing: spans go to an OTLP endpoint set by the standard OTEL_* variables, and, with
+    # trace_timeline, to Redis for the dashboard's request timeline (plumbing.tracing). Off when neither.
+    trace_timeline: bool = Field(
+        default=False, description="record each request's spans in Redis for the dashboard's timeline"
+    )
+    trace_timeline_ttl_s: int = Field(
+        default=900, gt=0, le=86_400, description="how long a request's recorded spans are kept"
+    )
     # Transport security; docs/operations.md shows each setting against a production cluster.
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle for the brokers' certificates")

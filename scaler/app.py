@@ -5,22 +5,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
 
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
 from plumbing.clients import admin_options, consumer_options, redis_client, with_backoff
 from plumbing.health import Liveness, health_body
+from queue_schemas.names import Names
 from scaler.backends import Backend, DryRunBackend, LocalBackend
-from scaler.dashboard import dashboard_body, report_body
+from scaler.dashboard import dashboard_body, report_body, slowest, timeline_body
 from scaler.kubernetes import KubernetesBackend
 from scaler.service import SCALER_LOOP, LagReader, Scaler, controllers
 from scaler.settings import ScalerSettings
@@ -108,8 +112,33 @@ def create_app(settings: ScalerSettings) -> FastAPI:
     async def dashboard_data() -> dict[str, Any]:
         loop = scaler.get("loop")
         if loop is None:
-            return {"now": time.time(), "pools": []}
-        return dashboard_body(loop.reports, loop.history, time.time())
+            return {"now": time.time(), "pools": [], "restarts": {}}
+        body = dashboard_body(loop.reports, loop.history, time.time())
+        body["restarts"] = await restart_counts(loop.redis, settings.names, backend)
+        return body
+
+    @app.get("/api/traces")
+    async def recent_traces(minutes: float = 10.0, limit: int = 20) -> dict[str, Any]:
+        """The slowest requests of the last `minutes` whose spans were recorded (plumbing.tracing)."""
+        loop = scaler.get("loop")
+        if loop is None or not 0 < minutes <= 1440 or not 0 < limit <= 1000:
+            return {"requests": []}
+        since = time.time() - minutes * 60
+        members = await loop.redis.zrangebyscore(
+            settings.names.recent_traces(), since, "+inf", withscores=True
+        )
+        return {"requests": slowest(members, since, limit)}
+
+    @app.get("/api/traces/{request_id}")
+    async def request_timeline(request_id: str) -> JSONResponse:
+        """One request's hops as a timeline, from the spans its services recorded."""
+        loop = scaler.get("loop")
+        if not REQUEST_ID.fullmatch(request_id):
+            return JSONResponse({"error": "not a request id"}, status_code=400)
+        raw = [] if loop is None else await loop.redis.lrange(settings.names.trace(request_id), 0, -1)
+        if not raw:
+            return JSONResponse({"error": f"no spans recorded for {request_id}"}, status_code=404)
+        return JSONResponse(timeline_body(request_id, raw))
 
     @app.get("/api/lag")
     async def lag() -> dict[str, Any]:
@@ -130,3 +159,19 @@ def create_app(settings: ScalerSettings) -> FastAPI:
         }
 
     return app
+
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9_\-]{8,128}")
+
+
+async def restart_counts(redis: aioredis.Redis, names: Names, backend: Backend) -> dict[str, int]:
+    """Processes that exited and were started again: the dev stack's (counted in Redis by `sluice dev`)
+    and, with the local backend, workers that exited unasked (replaced by the scaler)."""
+    counts: dict[str, int] = {}
+    with contextlib.suppress(RedisError):
+        raw = await redis.hgetall(names.restarts())
+        counts = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
+    if isinstance(backend, LocalBackend):
+        for pool, exits in backend.exits.items():
+            counts[f"workers of {pool}"] = exits
+    return dict(sorted(counts.items()))

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,12 +112,21 @@ class LocalBackend:
         self._log_dir = log_dir
         self._env = dict(env)
         self._procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}  # worker id -> (pool, process)
+        self._stopping: set[str] = set()  # workers told to drain or stop: their exit is expected
+        # Workers that exited unasked, by pool (or pool/prefill): the scaler starts others in their place.
+        self.exits: Counter[str] = Counter()
 
     def _alive(self, pool: str) -> dict[str, subprocess.Popen[bytes]]:
         for worker_id, (_, proc) in list(self._procs.items()):
             if proc.poll() is not None:
-                log.info("worker exited", worker=worker_id, code=proc.returncode)
-                del self._procs[worker_id]
+                owner = self._procs.pop(worker_id)[0]
+                if worker_id in self._stopping:
+                    self._stopping.discard(worker_id)
+                    log.info("worker exited", worker=worker_id, code=proc.returncode)
+                else:
+                    self.exits[owner] += 1
+                    log.warning("worker exited unasked; another takes its place", worker=worker_id,
+                                code=proc.returncode)  # fmt: skip
         return {w: p for w, (owner, p) in self._procs.items() if owner == pool}
 
     def launching(self, pool: str, known: set[str]) -> int:
@@ -142,6 +152,7 @@ class LocalBackend:
                 log.warning("no replica of ours to drain", pool=pool)
                 return NO_ASKS
             log.info("draining worker", pool=pool, worker=victim, reason=verdict.reason)
+            self._stopping.add(victim)
             owned[victim].send_signal(signal.SIGTERM)
         return NO_ASKS
 
@@ -158,6 +169,7 @@ class LocalBackend:
             victim = prefill_to_stop(beats, set(owned))
             if victim is not None:
                 log.info("stopping prefill worker", pool=pool, worker=victim)
+                self._stopping.add(victim)
                 owned[victim].send_signal(signal.SIGTERM)
 
     def _start(

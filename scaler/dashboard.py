@@ -6,6 +6,7 @@ time without a metrics store; Prometheus and Grafana keep the long history.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -130,3 +131,69 @@ def dashboard_body(
         body["workers"] = [worker_row(hb, now) for hb in sorted(report.workers, key=lambda h: h.worker_id)]
         pools.append(body)
     return {"now": now, "pools": pools}
+
+
+def timeline_body(request_id: str, raw: Sequence[bytes | str]) -> dict[str, Any]:
+    """A request's recorded spans (plumbing.tracing's timeline entries) as the dashboard draws them:
+    each with its offset and duration from the request's first span in milliseconds and its depth
+    below its parent, in start order; and the time of each kind of hop, summed. Pure."""
+    spans: list[dict[str, Any]] = []
+    for item in raw:
+        try:
+            entry = json.loads(item)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("start"), float | int):
+            spans.append(entry)
+    if not spans:
+        return {"request_id": request_id, "spans": [], "hops": {}}
+    spans.sort(key=lambda s: (s["start"], -s["end"]))
+    t0 = spans[0]["start"]
+    t1 = max(s["end"] for s in spans)
+    by_id = {s.get("span_id"): s for s in spans}
+    out = []
+    hops: dict[str, float] = {}
+    for s in spans:
+        depth, parent = 0, by_id.get(s.get("parent_id"))
+        while parent is not None and depth < 32:
+            depth, parent = depth + 1, by_id.get(parent.get("parent_id"))
+        took_ms = (s["end"] - s["start"]) * 1000
+        if not s.get("attributes", {}).get("sluice.root"):
+            hops[s["name"]] = round(hops.get(s["name"], 0.0) + took_ms, 3)
+        out.append(
+            {
+                "name": s["name"],
+                "service": s.get("service"),
+                "offset_ms": round((s["start"] - t0) * 1000, 3),
+                "duration_ms": round(took_ms, 3),
+                "depth": depth,
+                "error": s.get("error"),
+                "trace_id": s.get("trace_id"),
+                "attributes": s.get("attributes", {}),
+            }
+        )
+    return {
+        "request_id": request_id,
+        "started_at": t0,
+        "total_ms": round((t1 - t0) * 1000, 3),
+        "trace_ids": sorted({s["trace_id"] for s in out if s["trace_id"]}),
+        "spans": out,
+        "hops": hops,
+    }
+
+
+def slowest(members: Sequence[Any], since: float, limit: int) -> list[dict[str, Any]]:
+    """The slowest requests that ended since `since`, from the recent-traces set (member
+    "<request id> <seconds>", score its end time). Pure."""
+    rows: list[dict[str, Any]] = []
+    for member, ended in members:
+        text = member.decode() if isinstance(member, bytes) else member
+        request_id, _, took = text.partition(" ")
+        try:
+            seconds = float(took)
+        except ValueError:
+            continue
+        if ended >= since:
+            rows.append({"request_id": request_id, "seconds": seconds, "ended_at": ended})
+    rows.sort(key=lambda r: -float(r["seconds"]))
+    return rows[:limit]

@@ -53,6 +53,7 @@ from ingress.batches.files import lines_from, read_window, write_results
 from ingress.batches.object_store import ObjectStore
 from ingress.settings import IngressSettings
 from ingress.team_caps import BATCH_LINES, BATCHES, BYTES, FILES, TeamCaps, TeamStorage
+from plumbing import tracing
 from plumbing.health import Liveness, item_failed
 from plumbing.protocol.batches import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
 from plumbing.protocol.leases import LEASE_SCRIPT
@@ -327,11 +328,11 @@ class BatchKeeper:
                 continue
             request, pool = submission
             value = request.model_dump_json(exclude_none=True).encode()
+            headers = sign_record(self._private, value) + line_trace(request, batch_id, pool, number)
             try:
                 future = await self.producer.send(
-                    self.names.batch_topic(pool), value,
-                    key=request.request_id.encode(), headers=sign_record(self._private, value),
-                )  # fmt: skip
+                    self.names.batch_topic(pool), value, key=request.request_id.encode(), headers=headers
+                )
             except KafkaError as exc:
                 if exc.retriable:
                     raise
@@ -593,3 +594,18 @@ async def remove_file(
         return False  # another ingress removed it, and gave its bytes back
     await storage.give(team, {FILES: 1, BYTES: record.bytes})
     return True
+
+
+def line_trace(request: BatchSubmission, batch_id: str, pool: str, number: int) -> list[tuple[str, bytes]]:
+    """A batch line's trace starts as it is sent: its root span, named in the record's headers."""
+    if not tracing.ENABLED:
+        return []
+    now = time.time()
+    attributes = {
+        tracing.REQUEST_ID: internal_request_id(request.team, request.request_id),
+        tracing.TEAM: request.team,
+        tracing.POOL: pool,
+        "sluice.batch_id": batch_id,
+        "sluice.batch_line": number,
+    }
+    return tracing.kafka_headers(tracing.record("batch line", None, now, now, attributes))

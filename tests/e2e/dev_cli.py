@@ -57,13 +57,16 @@ class DevRun:
 
 
 @contextmanager
-def sluice_dev(tmp: Path, *options: str) -> Iterator[DevRun]:
-    """`sluice dev` in a subprocess, up; stopped with Ctrl-C on the way out if it is still running."""
+def sluice_dev(tmp: Path, *options: str, env: dict[str, str] | None = None) -> Iterator[DevRun]:
+    """`sluice dev` in a subprocess (with `env` added to this process's), up; stopped with Ctrl-C on the
+    way out if it is still running."""
     workdir, stderr_path = tmp / "dev", tmp / "dev.stderr"
     argv = [sys.executable, "-m", "infra.cli", "dev", "--port", "0", "--workdir", str(workdir), *options]
     with (
         stderr_path.open("w") as stderr,
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True) as proc,
+        subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **(env or {})}
+        ) as proc,
     ):
         try:
             yield wait_for_stack(proc, workdir, stderr_path)
