@@ -122,6 +122,8 @@ def engine_arguments(
         "speculative_config": speculative_config(config, spec_decoding),
         "disable_log_stats": False,
     }
+    if config.engine_traces_endpoint is not None:
+        args["otlp_traces_endpoint"] = config.engine_traces_endpoint
     if not on_gpu and one_process_on_cpu(config, pool.tensor_parallel_size):
         args["distributed_executor_backend"] = "uni"
     if pool.adapters:

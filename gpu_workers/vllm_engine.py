@@ -38,6 +38,7 @@ from gpu_workers.vllm_args import (
 )
 from gpu_workers.vllm_lora import BASE_ADAPTER, check_adapter, zero_adapter
 from gpu_workers.vllm_stats import EngineFigures, stat_logger_class
+from plumbing import tracing
 from plumbing.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
 from queue_schemas.config import (
     HANDOFF_CONNECTOR,
@@ -56,6 +57,7 @@ class VllmEngine:
         self, pool: PoolConfig, store: ModelStore, spec_decoding: bool, role: KvRole = "both"
     ) -> None:
         self._pool = pool
+        self._engine_traces = pool.vllm is not None and pool.vllm.engine_traces_endpoint is not None
         self._store = store
         self._spec = spec_decoding
         self._role = role
@@ -249,8 +251,9 @@ class VllmEngine:
         finished = False
         try:
             stream = self._llm.generate(
-                prompt, params, request.request_id, lora_request=lora, priority=request.engine_priority
-            )
+                prompt, params, request.request_id, lora_request=lora, priority=request.engine_priority,
+                trace_headers=tracing.current_headers() if self._engine_traces else None,
+            )  # fmt: skip
             async for out in stream:
                 completion = out.outputs[0]
                 reason = finish_reason(completion.finish_reason) if out.finished else None

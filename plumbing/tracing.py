@@ -163,6 +163,14 @@ def traceparent_of(span: Span | None) -> str | None:
     return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
 
 
+def current_headers() -> dict[str, str] | None:
+    """The current span as W3C headers (for an engine that continues the trace), or None."""
+    if not ENABLED:
+        return None
+    value = traceparent_of(trace.get_current_span())
+    return None if value is None else {TRACEPARENT: value}
+
+
 def kafka_headers(span: Span | None) -> list[tuple[str, bytes]]:
     value = traceparent_of(span)
     return [] if value is None else [(TRACEPARENT, value.encode())]

@@ -117,6 +117,12 @@ class VllmEngineConfig(BaseModel):
     kv_connector: KvConnectorConfig | None = Field(
         default=None, description="a KV connector, for prefill on one worker and decode on another"
     )
+    engine_traces_endpoint: str | None = Field(
+        default=None,
+        max_length=512,
+        description="an OTLP endpoint for vLLM's own engine spans (its otlp_traces_endpoint); each "
+        "request's trace context goes with it, so the engine's spans join the request's trace",
+    )
 
     @property
     def handoff_storage(self) -> Path | None:

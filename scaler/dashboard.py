@@ -136,7 +136,8 @@ def dashboard_body(
 def timeline_body(request_id: str, raw: Sequence[bytes | str]) -> dict[str, Any]:
     """A request's recorded spans (plumbing.tracing's timeline entries) as the dashboard draws them:
     each with its offset and duration from the request's first span in milliseconds and its depth
-    below its parent, in start order; and the time of each kind of hop, summed. Pure."""
+    below its parent, in start order; and the time of each kind of hop (spans without children), summed.
+    Pure."""
     spans: list[dict[str, Any]] = []
     for item in raw:
         try:
@@ -151,14 +152,15 @@ def timeline_body(request_id: str, raw: Sequence[bytes | str]) -> dict[str, Any]
     t0 = spans[0]["start"]
     t1 = max(s["end"] for s in spans)
     by_id = {s.get("span_id"): s for s in spans}
+    parents = {s.get("parent_id") for s in spans}
     out = []
-    hops: dict[str, float] = {}
+    hops: dict[str, float] = {}  # leaf spans only: a span with children is the sum of them and more
     for s in spans:
         depth, parent = 0, by_id.get(s.get("parent_id"))
         while parent is not None and depth < 32:
             depth, parent = depth + 1, by_id.get(parent.get("parent_id"))
         took_ms = (s["end"] - s["start"]) * 1000
-        if not s.get("attributes", {}).get("sluice.root"):
+        if s.get("span_id") not in parents:
             hops[s["name"]] = round(hops.get(s["name"], 0.0) + took_ms, 3)
         out.append(
             {

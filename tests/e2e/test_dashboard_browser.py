@@ -1,12 +1,14 @@
 """The live dashboard in headless Chromium (Debian's package, driven through its chromedriver).
 
 A dev stack with one slow pool: the page shows lag 0 and one ready replica, a backlog of requests makes
-the page's lag rise and the scaler's replica figures move, without reloading. Screenshots of both states
-are kept under test-artifacts/ (or $SLUICE_TEST_ARTIFACTS). `sluice lag --once` prints the same pool.
+the page's lag rise and the scaler's replica figures move, without reloading. A request picked by id shows
+its hops as a timeline. Screenshots are kept under test-artifacts/ (or $SLUICE_TEST_ARTIFACTS).
+`sluice lag --once` prints the same pool, within 80 columns.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -56,6 +58,7 @@ FAST = {
     "SLUICE_HEARTBEAT_INTERVAL_S": "0.2",
     "SLUICE_HOLD_CAPACITY": "2",  # held requests stay in the topic's lag once the hold is full
     "SLUICE_MAX_QUEUE": "1",
+    "SLUICE_TRACE_TIMELINE": "1",  # each request's spans kept in Redis for the timeline
 }
 
 
@@ -163,10 +166,68 @@ def test_dashboard_shows_lag_and_replicas_change_under_a_backlog(
 
     # The terminal view reads the same endpoint.
     sluice = shutil.which("sluice", path=str(Path(sys.executable).parent)) or "sluice"
-    out = subprocess.run(
-        [sluice, "lag", "--once", "--scaler", stack.scaler_url],
-        capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "slow" in out.stdout
-    assert "slow-w0" in out.stdout
+    for columns in (200, 80):
+        out = subprocess.run(
+            [sluice, "lag", "--once", "--scaler", stack.scaler_url],
+            capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": str(columns)},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "slow" in out.stdout
+        assert "slow-w0" in out.stdout
+        widest = max(len(line) for line in out.stdout.splitlines())
+        assert widest <= columns, f"a line of {widest} characters at {columns} columns:\n{out.stdout}"
+
+
+# Each hop's span name ends so (the Kafka ones start with their topic).
+TIMELINE_HOPS = (
+    "admission",
+    "publish",
+    "receive",
+    "placement",
+    "inbox",
+    "generate",
+    "prefill",
+    "decode",
+    "relay",
+)
+
+
+def shows_every_hop(names: list[str]) -> bool:
+    return all(any(name.endswith(hop) for name in names) for hop in TIMELINE_HOPS)
+
+
+def test_a_request_picked_by_id_shows_its_timeline(stack: Endpoints, browser: webdriver.Chrome) -> None:
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    body = {"model": "sluice-slow", "messages": [{"role": "user", "content": "trace me"}], "stream": True}
+    with httpx.stream(
+        "POST", stack.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as reply:
+        lines = [line for line in reply.iter_lines() if line.startswith("data: {")]
+    request_id = json.loads(lines[0].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
+    timeline = stack.scaler_url + f"/api/traces/{request_id}"
+    wait_for(
+        "the request's spans recorded",
+        lambda: shows_every_hop([s["name"] for s in httpx.get(timeline).json()["spans"]]),
+        30,
+    )
+    browser.get(stack.scaler_url + "/dashboard")
+    wait_for("the slowest requests listed", lambda: bool(browser.find_elements(
+        By.CSS_SELECTOR, f'#slowest button[data-request="{request_id}"]')), 30)  # fmt: skip
+    field = browser.find_element(By.ID, "trace-id")
+    field.send_keys(f"chatcmpl-{request_id}")
+    browser.find_element(By.CSS_SELECTOR, "#trace-form button").click()
+    wait_for("the timeline", lambda: browser.find_element(By.TAG_NAME, "body").get_attribute(
+        "data-timeline") == request_id, 10)  # fmt: skip
+    rows = browser.find_elements(By.CSS_SELECTOR, "#timeline .span-row")
+    shown = [str(row.get_attribute("data-span")) for row in rows]
+    assert shows_every_hop(shown), shown
+    assert shown[0] == "POST /v1/chat/completions", "the request's own span first, the hops under it"
+    bars = browser.find_elements(By.CSS_SELECTOR, "#timeline .span-bar")
+    assert all(bar.size["width"] >= 1 for bar in bars)
+    assert "where the time went" in browser.find_element(By.ID, "hops").text
+    assert "decode" in browser.find_element(By.ID, "hops").text
+    browser.save_screenshot(str(ARTIFACTS / "request-timeline.png"))
+    assert (ARTIFACTS / "request-timeline.png").stat().st_size > 10_000
+    missing = httpx.get(stack.scaler_url + "/api/traces/" + "0" * 32)
+    assert missing.status_code == 404
+    assert httpx.get(stack.scaler_url + "/api/traces/not%20an%20id").status_code == 400
