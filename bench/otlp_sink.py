@@ -125,3 +125,24 @@ class OtlpSink:
     def __exit__(self, *_: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def main() -> None:
+    """`python -m bench.otlp_sink --port N`: count what arrives until SIGTERM, then print the count."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port-file", required=True, help="where to write the port it listens on")
+    args = parser.parse_args()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with OtlpSink(keep=False) as sink:
+        with open(args.port_file, "w") as f:
+            f.write(str(sink.port))
+        stop.wait()
+        print(f"otlp sink: {sink.span_count} spans in {sink.exports} exports", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,18 +9,25 @@ Phase 2 (saturation): N clients sending short requests (16 tokens at 1 ms) back 
 the stack sustains and the time to first token at that rate.
 Phase 3 (relay): long streams at 1 ms per token; chunks per second one ingress process relays to clients.
 
-Run: `.venv/bin/python -m bench.pipeline_latency [--all-pools]`. Client, broker, Redis and every service
-share the machine, so the figures include their contention. Each phase gets a stack with only its pool,
-unless --all-pools asks for one stack with all three.
+Run: `.venv/bin/python -m bench.pipeline_latency [--all-pools] [--tracing off on]`; with both, every
+phase runs with tracing off, then on (OTLP export to a receiver on loopback and the Redis timeline).
+Client, broker, Redis and every service share the machine, so the figures include their contention. Each
+phase gets a stack with only its pool, unless --all-pools asks for one stack with all three.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -159,10 +166,39 @@ def pool_config(name: str) -> str:
     return "[[pools]]" + section
 
 
-def with_stack(pools: str, fetch_wait_ms: int, phase: Callable[[Endpoints], None]) -> None:
+def with_stack(pools: str, fetch_wait_ms: int, phase: Callable[[Endpoints], None], traced: bool) -> None:
     env = {"SLUICE_KAFKA_FETCH_WAIT_MS": str(fetch_wait_ms)}
-    with dev_stack(pools, extra_env=env) as (_, endpoints):
-        phase(endpoints)
+    if not traced:
+        with dev_stack(pools, extra_env=env) as (_, endpoints):
+            phase(endpoints)
+        return
+    with tempfile.TemporaryDirectory() as tmp, otlp_sink(Path(tmp)) as endpoint:
+        # Every service exports its spans over OTLP/HTTP to a receiver in a process of its own, and
+        # records each request's timeline in Redis, as `sluice dev` does.
+        env |= {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "SLUICE_TRACE_TIMELINE": "1",
+        }
+        with dev_stack(pools, extra_env=env) as (_, endpoints):
+            phase(endpoints)
+
+
+@contextmanager
+def otlp_sink(tmp: Path) -> Iterator[str]:
+    """bench.otlp_sink in a subprocess (so decoding spans takes nothing from the client's process)."""
+    port_file = tmp / "otlp.port"
+    sink = subprocess.Popen([sys.executable, "-m", "bench.otlp_sink", "--port-file", str(port_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text()):
+            if sink.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the OTLP sink did not start")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port_file.read_text()}"
+    finally:
+        sink.send_signal(signal.SIGTERM)
+        sink.wait(30)
 
 
 def main() -> None:
@@ -181,6 +217,10 @@ def main() -> None:
     parser.add_argument(
         "--phases", nargs="+", choices=["chat", "sim", "long"], default=["chat", "sim", "long"],
         help="which phases to run (by pool): chat = added latency, sim = saturation, long = relay",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tracing", nargs="+", choices=["off", "on"], default=["off"],
+        help="run every phase with tracing off, on (OTLP export and the Redis timeline), or both in turn",
     )  # fmt: skip
     args = parser.parse_args()
     print(
@@ -211,16 +251,19 @@ def main() -> None:
     phases = [
         (p, f) for p, f in [("chat", open_streams), ("sim", saturation), ("long", relay)] if p in args.phases
     ]
-    if args.all_pools:
+    for mode in args.tracing:
+        print(f"== tracing {mode}")
+        traced = mode == "on"
+        if args.all_pools:
 
-        def every_phase(endpoints: Endpoints) -> None:
-            for _, phase in phases:
-                phase(endpoints)
+            def every_phase(endpoints: Endpoints) -> None:
+                for _, phase in phases:
+                    phase(endpoints)
 
-        with_stack(CONFIG, args.fetch_wait_ms, every_phase)
-        return
-    for pool, phase in phases:
-        with_stack(pool_config(pool), args.fetch_wait_ms, phase)
+            with_stack(CONFIG, args.fetch_wait_ms, every_phase, traced)
+            continue
+        for pool, phase in phases:
+            with_stack(pool_config(pool), args.fetch_wait_ms, phase, traced)
 
 
 if __name__ == "__main__":
