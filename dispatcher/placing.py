@@ -25,6 +25,7 @@ from dispatcher.placement import AFFINITY_REASON, SLO_REASON, Decision, Demand, 
 from plumbing.clients import BusUnavailable
 from plumbing.replay import read_log
 from plumbing.tracing import current as tracing_current
+from plumbing.tracing import logging_for as tracing_logs
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import (
     Handoff,
@@ -104,7 +105,8 @@ class Placing(Ending):
             if held.request.fair_tag != tag:
                 held.request = held.request.model_copy(update={"fair_tag": tag})
             try:
-                tried = await self._try_place(held)
+                with tracing_logs(held.traceparent):
+                    tried = await self._try_place(held)
             except (RedisError, BusUnavailable):
                 raise  # the loop's own pause: the request stays held
             except Exception as exc:  # a fault of this request's alone: it ends, the round goes on

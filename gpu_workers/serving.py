@@ -8,6 +8,7 @@ import contextlib
 import time
 from dataclasses import replace
 
+import structlog
 from redis.exceptions import RedisError
 
 from gpu_workers.coalesce import ChunkCoalescer
@@ -52,6 +53,8 @@ class Serving(WorkerParts):
         loaded: KvTransfer | None = None
         spans = RequestSpans(request, entry_id, self.settings.worker_id, out.timing.began or time.time())
         coalescer.traceparent = spans.traceparent
+        if spans.traceparent is not None:  # this task's log lines carry the request's trace id
+            structlog.contextvars.bind_contextvars(trace_id=tracing.trace_id_of(spans.traceparent))
         outcome = "failed"
 
         def produced() -> bool:

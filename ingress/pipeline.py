@@ -267,7 +267,7 @@ async def sse_events(
     """SSE payloads for one request; if the client goes away first, cancel the request upstream."""
     finished = False
     outcome = "cancelled"
-    traced = tracing.Relay(inference)
+    traced = tracing.Relay(inference.request_id, inference.pool)
     final: FinalChunk | None = None
     try:
         for payload in fmt.opening():

@@ -193,7 +193,7 @@ async def collect(
 ) -> dict[str, Any]:
     """Gather a whole completion for a non-streaming client; raise the translated error on failure."""
     parts: list[str] = []
-    traced = Relay(request)
+    traced = Relay(request.request_id, request.pool)
     outcome, final = "cancelled", None
     try:
         async for event in events(sub, request, read_log):

@@ -12,7 +12,7 @@ from opentelemetry.trace import Span, SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from plumbing import tracing
-from queue_schemas.messages import FinalChunk, InferenceRequest
+from queue_schemas.messages import FinalChunk, InferenceRequest, StreamEvent
 
 # The generating routes: each request through them is one trace.
 TRACED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
@@ -108,19 +108,21 @@ class Relay:
 
     __slots__ = ("_attributes", "_span")
 
-    def __init__(self, request: InferenceRequest) -> None:
+    def __init__(self, request_id: str, pool: str) -> None:
         self._span: Span | None = None
-        self._attributes = {tracing.REQUEST_ID: request.request_id, tracing.POOL: request.pool}
+        self._attributes = {tracing.REQUEST_ID: request_id, tracing.POOL: pool}
 
     def chunk(self) -> None:
-        if tracing.ENABLED and self._span is None:
+        """A chunk arrived: the relay's span starts at the first, within a traced request (a stream read
+        again later is no part of its request's trace)."""
+        if tracing.ENABLED and self._span is None and _server_span.get() is not None:
             self._span = tracing.start("relay", None, time.time(), self._attributes)
 
-    def done(self, outcome: str, final: FinalChunk | None) -> None:
+    def done(self, outcome: str, final: StreamEvent | None) -> None:
         if self._span is None:
             return
         attributes: dict[str, Any] = {tracing.OUTCOME: outcome}
-        if final is not None:
+        if isinstance(final, FinalChunk):
             attributes[tracing.OUTPUT_TOKENS] = final.usage.completion_tokens
             attributes[tracing.CACHED_TOKENS] = final.usage.cached_tokens
             attributes[tracing.WORKER] = final.worker_id

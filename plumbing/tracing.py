@@ -22,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import structlog
@@ -248,6 +248,20 @@ def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
             continue
         out[key] = value if isinstance(value, str | int | float | bool) else str(value)
     return out
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id a traceparent names. Pure."""
+    return traceparent[3:35] if traceparent is not None and len(traceparent) == 55 else None
+
+
+def logging_for(traceparent: str | None) -> AbstractContextManager[Any]:
+    """Within the block, log lines carry the trace id of `traceparent` (a request handled outside its
+    spans: a held request tried, a worker's task)."""
+    trace_id = trace_id_of(traceparent) if ENABLED else None
+    if trace_id is None:
+        return nullcontext()
+    return structlog.contextvars.bound_contextvars(trace_id=trace_id)
 
 
 def add_trace_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

@@ -44,10 +44,11 @@ from ingress.responses.events import (
 )
 from ingress.streams import RESYNC, HubDisconnected, Subscription
 from ingress.team_caps import TeamStorage
+from ingress.tracing import Relay
 from openai_api.admission import parse_body
 from openai_api.errors import InvalidRequest, NotFound, ServiceUnavailable, from_bus_error
 from openai_api.structured import OutputPlan
-from queue_schemas.messages import ErrorChunk, InferenceRequest
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, StreamEvent
 
 router = APIRouter()
 
@@ -133,12 +134,18 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
     if body.stream:
         stream = sse(ctx, sub, events, after=-1, pool=pool.name, cancel_on_leave=not body.background)
         return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
+    traced = Relay(record.request_id, pool.name)
+    last: StreamEvent | None = None
     async with gathering(ctx, sub, inference):
         events.opening()
-        async for chunk in relay.events(sub, record, ctx.read_log):
-            if isinstance(chunk, ErrorChunk):
-                raise from_bus_error(chunk.code, chunk.message)
-            events.feed(chunk)
+        try:
+            async for last in relay.events(sub, record, ctx.read_log):
+                traced.chunk()
+                if isinstance(last, ErrorChunk):
+                    raise from_bus_error(last.code, last.message)
+                events.feed(last)
+        finally:
+            traced.done(outcome_of(last), last)
     return JSONResponse(events.body(), headers=headers)
 
 
@@ -156,10 +163,13 @@ async def sse(
     stream's outcome is counted: a background response does not end with its stream."""
     record = events.record
     outcome = "cancelled"
+    traced = Relay(record.request_id, pool)
+    chunk: StreamEvent | None = None
     try:
         for event in unseen(events.opening(), after):
             yield _sse(event)
         async for chunk in relay.events(sub, record, ctx.read_log, quiet_disconnect=not cancel_on_leave):
+            traced.chunk()
             for event in unseen(events.feed(chunk), after):
                 yield _sse(event)
             if isinstance(chunk, ErrorChunk):
@@ -167,6 +177,7 @@ async def sse(
             elif events.status not in ("queued", "in_progress"):
                 outcome = "ok"
     finally:
+        traced.done(outcome, chunk)
         if cancel_on_leave:
             if outcome == "cancelled":
                 ctx.cancel_soon(record.request_id, "client disconnected")
@@ -291,3 +302,10 @@ async def delete_response(response_id: str, ctx: Context, team: Team) -> JSONRes
     except RedisError as exc:
         raise ServiceUnavailable("The response cannot be deleted now; retry shortly.") from exc
     return JSONResponse({"id": record.response_id, "object": "response.deleted", "deleted": True})
+
+
+def outcome_of(last: StreamEvent | None) -> str:
+    """How a gathered answer ended, by its last chunk: ok, error, or cancelled (none ended it). Pure."""
+    if isinstance(last, FinalChunk):
+        return "ok"
+    return "error" if isinstance(last, ErrorChunk) else "cancelled"

@@ -114,6 +114,21 @@ def test_compose_services_settings_and_files_are_consistent() -> None:
         assert (DEPLOY / config["file"]).is_file()
 
 
+def test_every_compose_service_exports_traces_to_the_tracing_backend() -> None:
+    services = compose()["services"]
+    for name, svc in services.items():
+        if not svc["image"].startswith("ghcr.io/sluice-llm/"):
+            continue
+        env = svc["environment"]
+        endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        host, port = endpoint.removeprefix("http://").split(":")
+        assert host in services, f"{name} exports to {host}, not a compose service"
+        assert (port, env["OTEL_EXPORTER_OTLP_PROTOCOL"]) == ("4318", "http/protobuf"), name
+        settings = settings_from(BusSettings, {"SLUICE_TRACE_TIMELINE": env["SLUICE_TRACE_TIMELINE"]})
+        assert isinstance(settings, BusSettings)
+        assert settings.trace_timeline, name
+
+
 def test_compose_has_a_dispatcher_and_a_gpu_worker_per_pool() -> None:
     services = compose()["services"]
     for pool in pools().pools:
