@@ -39,6 +39,7 @@ class Held:
     taken_over: InferenceRequest | None = None  # moved: the request as it was on the lost worker
     produced_at: float | None = None  # epoch seconds its record was produced, where known (tracing)
     waited_for: str = ""  # why it last stayed in the hold (tracing)
+    traced_to: float = 0.0  # epoch seconds its spans cover up to (tracing)
     traceparent: str | None = None  # the span it came with (the request's own, when not given)
 
     def __post_init__(self) -> None:

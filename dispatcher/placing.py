@@ -22,6 +22,7 @@ from dispatcher.ending import Ending
 from dispatcher.hold import Held
 from dispatcher.migration import decide_move
 from dispatcher.placement import AFFINITY_REASON, SLO_REASON, Decision, Demand, choose_least_loaded
+from plumbing import tracing as plumbing_tracing
 from plumbing.clients import BusUnavailable
 from plumbing.replay import read_log
 from plumbing.tracing import current as tracing_current
@@ -137,7 +138,7 @@ class Placing(Ending):
         demand = demand_of(request, waited, self.hold.held_of(request.team) <= 1, held.taken_over is None)
         t0, started = time.perf_counter(), time.time()
         if self.settings.placement == "scored":
-            decision = self.view.decide(demand, time.time(), self.policy, self.rng)
+            decision = self.view.decide(demand, time.time(), self.policy, self.rng, plumbing_tracing.ENABLED)
         else:
             snapshot = self.view.snapshot(request.block_hashes)
             decision = choose_least_loaded(snapshot, demand, time.time(), self.policy, self.rng)

@@ -171,9 +171,11 @@ def choose_fast(
     policy: PlacementPolicy,
     rng: random.Random,
     adapter_held: Floats | None = None,
+    explain: bool = False,
 ) -> Decision:
     """`adapter_held`: 1 for each row whose worker holds the request's adapter (None: every row counts
-    as holding it, as for a request without one)."""
+    as holding it, as for a request without one). With `explain`, the decision also names the chosen
+    worker's score and the runner-up (for the placement's trace span)."""
     if not len(table):
         return Decision(None, reason="no workers")
     block_size = table.col("block_size")
@@ -210,7 +212,7 @@ def choose_fast(
 
     busy = ~stale & ~fit
     if policy.objective == "latency":
-        return by_latency(table, matched, demand, now, policy, rng, fit, busy, needed, adapter_held)
+        return by_latency(table, matched, demand, now, policy, rng, fit, busy, needed, adapter_held, explain)
     if busy.any():
         size = int(block_size[0])
         if waits_for_affinity(int(matched[fit].max()), int(matched[busy].max()), size, demand, policy):
@@ -229,6 +231,8 @@ def choose_fast(
     best = score.max()
     winners = np.flatnonzero(score >= best - 1e-9)
     i = int(winners[rng.randrange(len(winners))])
+    if not explain:
+        return Decision(table.ids[i], int(matched[i]), int(needed[i]))
     j = runner_up(score, i, higher=True)
     second = None if j is None else table.ids[j]
     return Decision(
@@ -269,6 +273,7 @@ def by_latency(
     busy: npt.NDArray[np.bool_],
     needed: Floats,
     adapter_held: Floats | None,
+    explain: bool = False,
 ) -> Decision:
     """`choose_fast` with the latency objective (`placement.choose_by_latency`)."""
     uncached = np.maximum(1.0, demand.prompt_tokens - matched * table.col("block_size"))
@@ -287,6 +292,8 @@ def by_latency(
     i, reason = latency_choice(raw * correction, itl, fit, busy, demand, policy, rng, alone, stall, held)
     if i is None:
         return Decision(None, reason=reason, refused=reason == SHED_REASON)
+    if not explain:
+        return Decision(table.ids[i], int(matched[i]), int(needed[i]), "", float(raw[i]), int(uncached[i]))
     predicted = np.where(fit, raw * correction, np.inf)
     j = runner_up(predicted, i, higher=False)
     return Decision(

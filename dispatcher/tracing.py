@@ -22,13 +22,18 @@ def received(
     messaging convention) when it has one, and when the record was produced (None: unknown)."""
     if not tracing.ENABLED:
         return request, None
-    traceparent, _ = tracing.header_values(headers)
+    traceparent = tracing.header_traceparent(headers)
     produced = timestamp_ms / 1000 if timestamp_ms and 0 < timestamp_ms / 1000 <= now else None
     if traceparent is None and request.traceparent is None:
         # A record from a producer that traces nothing (a batch submitter): its trace starts here, with
         # its time in Kafka as the root span.
         span = tracing.record(
-            "receive", None, produced or now, now, {**attributes(request), **_consumer}, SpanKind.CONSUMER
+            "receive",
+            tracing.new_trace(),
+            produced or now,
+            now,
+            {**attributes(request), **_consumer},
+            SpanKind.CONSUMER,
         )
         traceparent, produced = tracing.traceparent_of(span), None
     if traceparent is not None and traceparent != request.traceparent:
@@ -60,7 +65,11 @@ def placing(held: Held, decision: Decision, block_size: int, started: float) -> 
     attrs = attributes(request)
     now = time.time()
     arrived = now - (time.monotonic() - held.arrived)
-    if held.produced_at is not None:
+    # A placement tried again (the place script failed, or a moved request's log grew) records only the
+    # time since the last try.
+    since = max(arrived, held.traced_to)
+    held.traced_to = started
+    if held.produced_at is not None and since == arrived:
         tracing.record(
             f"{held.partition[0] if held.partition else 'requests'} receive",
             parent,
@@ -74,7 +83,7 @@ def placing(held: Held, decision: Decision, block_size: int, started: float) -> 
         tracing.record(
             "migration",
             parent,
-            arrived,
+            since,
             started,
             {
                 **attrs,
@@ -83,8 +92,8 @@ def placing(held: Held, decision: Decision, block_size: int, started: float) -> 
                 "sluice.migrations": 0 if resume is None else resume.migrations,
             },
         )
-    elif started > arrived:
-        tracing.record("hold", parent, arrived, started, {**attrs, "sluice.hold_reason": held.waited_for})
+    elif started > since:
+        tracing.record("hold", parent, since, started, {**attrs, "sluice.hold_reason": held.waited_for})
     runner_up = decision.runner_up
     span = tracing.start(
         "placement",

@@ -137,11 +137,14 @@ class WorkerView:
         approx = self.approximate.get(worker_id)
         return approx.matched(block_hashes) if approx is not None else 0
 
-    def decide(self, demand: Demand, now: float, policy: PlacementPolicy, rng: random.Random) -> Decision:
-        """The scored placement (placement.choose's rules) over the columnar table."""
+    def decide(
+        self, demand: Demand, now: float, policy: PlacementPolicy, rng: random.Random, explain: bool = False
+    ) -> Decision:
+        """The scored placement (placement.choose's rules) over the columnar table; `explain`: with the
+        chosen worker's score and the runner-up."""
         matched = self.matched_column(demand.block_hashes)
         held = None if demand.adapter is None else self.adapter_column(demand.adapter)
-        return choose_fast(self.table, matched, demand, now, policy, rng, held)
+        return choose_fast(self.table, matched, demand, now, policy, rng, held, explain)
 
     def adapter_column(self, adapter: str) -> Floats:
         """1 for each table row whose worker's last heartbeat says it holds the adapter."""

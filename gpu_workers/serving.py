@@ -72,8 +72,8 @@ class Serving(WorkerParts):
                     )
             if refusal is None:
                 # Prefill starts at once; the start check goes out with the first chunk.
-                pieces = EarlyStart(self.engine.generate(request, loaded))
-                with tracing.current(spans.span):
+                with tracing.current(spans.span):  # the engine continues the trace from here
+                    pieces = EarlyStart(self.engine.generate(request, loaded))
                     outcome = await self._open(out, pieces, coalescer)
                 if outcome == "moved":
                     log.warning(
@@ -117,9 +117,11 @@ class Serving(WorkerParts):
                 return
             await self._fail(out, coalescer, produced(), *self._abort_reason)
         except (RedisError, BusUnavailable) as exc:
+            outcome = "bus_lost"
             log.error("lost the bus while answering", request_id=request.request_id, error=str(exc))
             return  # not acknowledged: the entry stays pending for recovery
         except Exception as exc:  # a fault of this request alone: it ends, the worker goes on
+            outcome = "failed"
             log.error(
                 "request failed", request_id=request.request_id, error=type(exc).__name__, exc_info=True
             )

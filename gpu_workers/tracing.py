@@ -27,6 +27,9 @@ class RequestSpans:
     __slots__ = ("_attributes", "_began", "_kv_at", "span")
 
     def __init__(self, request: InferenceRequest, entry_id: bytes, worker_id: str, began: float) -> None:
+        self.span: Span | None = None
+        if not tracing.ENABLED:
+            return
         self._attributes: dict[str, Any] = {
             tracing.REQUEST_ID: request.request_id,
             tracing.TEAM: request.team,
@@ -38,9 +41,6 @@ class RequestSpans:
         }
         self._began = began
         self._kv_at: float | None = None
-        self.span: Span | None = None
-        if not tracing.ENABLED:
-            return
         parent = tracing.parent(request.traceparent)
         appended = entry_time(entry_id)
         if appended is not None:
@@ -55,7 +55,8 @@ class RequestSpans:
         return tracing.traceparent_of(self.span)
 
     def kv_loaded(self, now: float) -> None:
-        self._kv_at = now
+        if self.span is not None:
+            self._kv_at = now
 
     def finish(self, timing: Timing, outcome: str, output_tokens: int, cached_tokens: int | None) -> None:
         span = self.span

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
 import time
@@ -73,7 +74,7 @@ def dev(
         dispatchers=dispatchers,
         redis_cluster=redis_cluster,
         # Each request's spans are kept for the dashboard's timeline; OTEL_* variables add an exporter.
-        extra_env={"SLUICE_TRACE_TIMELINE": "1"},
+        extra_env={"SLUICE_TRACE_TIMELINE": os.environ.get("SLUICE_TRACE_TIMELINE", "1")},
     )
     console.print("[bold]starting sluice dev stack[/] ...")
     try:
@@ -100,6 +101,8 @@ def dev(
                     console.print(f"[red]{exc}[/]")
                     exit_code = 1
                     break
+                except OSError as exc:  # a restart that could not be made is tried again next round
+                    console.print(f"[red]supervising: {exc}[/]")
                 continue
             dead = stack.dead()
             if dead:

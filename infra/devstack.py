@@ -326,6 +326,10 @@ class DevStack:
             if at > now:
                 continue
             del sup.due[name]
+            # What the dead process started in its group (a scaler's draining workers) goes with it, so
+            # nothing of it outlives the stack or competes with its replacement.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process(name).popen.pid, signal.SIGKILL)
             self.resume(name)
             sup.started[name] = now
             sup.restarts[name] += 1
@@ -351,7 +355,9 @@ class DevStack:
     def _write_pids(self) -> None:
         """`pids`: the live processes of the stack, one `name pid` a line."""
         live = "".join(f"{p.name} {p.popen.pid}\n" for p in self.processes if p.alive)
-        (self.workdir / "pids").write_text(live)
+        partial = self.workdir / "pids.new"
+        partial.write_text(live)
+        partial.replace(self.workdir / "pids")  # a reader never sees half a file
 
     def stop(self) -> None:
         """Stop the services together (they drain), then Redis and the broker. The scaler alone is sent

@@ -32,10 +32,8 @@ class TraceMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TRACED_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        traceparent = tracing.valid_traceparent(headers.get(b"traceparent"))
-        state = headers.get(b"tracestate")
-        parent = tracing.parent(traceparent, state.decode("ascii", "replace") if state else None)
+        traceparent = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
+        parent = tracing.parent(tracing.valid_traceparent(traceparent)) or tracing.new_trace()
         arrived = time.time()
         span = tracing.start(
             f"POST {scope['path']}",

@@ -111,7 +111,9 @@ def sync_redis_client(settings: BusSettings) -> Any:
 
     options = redis_security(settings)
     if settings.redis_cluster:
-        return SyncCluster.from_url(settings.redis_url, socket_connect_timeout=2.0, **options)
+        return SyncCluster.from_url(
+            settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, **options
+        )
     return sync_redis.Redis.from_url(
         settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, **options
     )

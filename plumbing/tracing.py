@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -42,10 +41,8 @@ from queue_schemas.settings import BusSettings
 log = structlog.get_logger("sluice.tracing")
 
 TRACEPARENT = "traceparent"
-TRACESTATE = "tracestate"
 # A record or a client sending anything but a version-00 W3C trace context starts a new trace.
 _TRACEPARENT = re.compile(TRACEPARENT_PATTERN)
-MAX_TRACESTATE = 512
 
 # Span attributes an operator filters on (OpenTelemetry's names where it has one).
 REQUEST_ID = "sluice.request_id"
@@ -61,7 +58,7 @@ OUTCOME = "sluice.outcome"
 ROOT = "sluice.root"  # the span that covers a request end to end (the ingress's, or a batch line's)
 
 TIMELINE_SPANS = 256  # spans kept per request (a request that moves many times keeps its latest)
-RECENT_TRACES = 2000  # requests the dashboard can pick its slowest from
+SLOWEST_PER_MINUTE = 50  # the slowest requests kept of each minute, for the dashboard to pick from
 
 _propagator = TraceContextTextMapPropagator()
 _tracer: trace.Tracer | None = None
@@ -103,9 +100,14 @@ def configure(settings: BusSettings, service: str, env: Mapping[str, str] | None
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     if (protocol or "http/protobuf").strip() == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        return GrpcExporter()
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+        except ImportError:
+            raise SystemExit(
+                "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc installed; "
+                "or use http/protobuf"
+            ) from None
+        return Grpc()
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter()
@@ -131,26 +133,26 @@ def valid_traceparent(value: object) -> str | None:
     return None
 
 
-def parent(traceparent: str | None, tracestate: str | None = None) -> Context | None:
-    """The context a `traceparent` (and `tracestate`) continues; None for a missing or invalid one."""
+def parent(traceparent: str | None) -> Context | None:
+    """The context a `traceparent` continues; None for a missing or invalid one. A `tracestate` from a
+    client or a record is not carried: sluice reads none, and an invalid one costs a warning a request."""
     if not ENABLED or valid_traceparent(traceparent) is None:
         return None
-    carrier = {TRACEPARENT: str(traceparent)}
-    if tracestate and len(tracestate) <= MAX_TRACESTATE:
-        carrier[TRACESTATE] = tracestate
-    ctx = _propagator.extract(carrier)
+    ctx = _propagator.extract({TRACEPARENT: str(traceparent)})
     return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
-def header_values(headers: Sequence[tuple[str, bytes]] | None) -> tuple[str | None, str | None]:
-    """The traceparent and tracestate of Kafka record headers (untrusted: checked, cut to size)."""
-    traceparent = tracestate = None
+def new_trace() -> Context:
+    """The context of a span that starts a trace of its own, whatever span is current."""
+    return Context()
+
+
+def header_traceparent(headers: Sequence[tuple[str, bytes]] | None) -> str | None:
+    """The traceparent of Kafka record headers (untrusted: checked, else None)."""
     for key, value in headers or ():
         if key == TRACEPARENT:
-            traceparent = valid_traceparent(value)
-        elif key == TRACESTATE and isinstance(value, bytes) and len(value) <= MAX_TRACESTATE:
-            tracestate = value.decode("ascii", "replace")
-    return traceparent, tracestate
+            return valid_traceparent(value)
+    return None
 
 
 def traceparent_of(span: Span | None) -> str | None:
@@ -300,12 +302,12 @@ def timeline_entry(span: ReadableSpan, service: str) -> dict[str, Any] | None:
 
 class TimelineExporter(SpanExporter):
     """Writes each request's spans to a Redis list (Names.trace, expiring) and its end-to-end span to the
-    recent requests (Names.recent_traces); runs in the span processor's thread, with its own client."""
+    slowest requests of its minute (Names.slow_traces); runs in the span processor's thread, with a
+    client of its own, connected at the first export (a service starts whether Redis is up or not)."""
 
     def __init__(self, settings: BusSettings, service: str) -> None:
-        from plumbing.clients import sync_redis_client
-
-        self._redis = sync_redis_client(settings)
+        self._settings = settings
+        self._redis: Any = None
         self._names: Names = settings.names
         self._ttl_s = settings.trace_timeline_ttl_s
         self._service = service
@@ -316,17 +318,27 @@ class TimelineExporter(SpanExporter):
             return SpanExportResult.SUCCESS
         names = self._names
         try:
+            if self._redis is None:
+                from plumbing.clients import sync_redis_client
+
+                self._redis = sync_redis_client(self._settings)
             pipe = self._redis.pipeline(transaction=False)
+            lists, minutes = set(), set()
             for entry in entries:
                 key = names.trace(entry["request_id"])
+                lists.add(key)
                 pipe.rpush(key, json.dumps(entry, separators=(",", ":")))
-                pipe.ltrim(key, -TIMELINE_SPANS, -1)
-                pipe.expire(key, self._ttl_s)
                 if entry["attributes"].get(ROOT):
                     took = entry["end"] - entry["start"]
-                    pipe.zadd(names.recent_traces(), {f"{entry['request_id']} {took:.6f}": entry["end"]})
-            pipe.zremrangebyrank(names.recent_traces(), 0, -RECENT_TRACES - 1)
-            pipe.zremrangebyscore(names.recent_traces(), "-inf", time.time() - self._ttl_s)
+                    minute = names.slow_traces(int(entry["end"] // 60))
+                    minutes.add(minute)
+                    pipe.zadd(minute, {f"{entry['request_id']} {entry['end']:.3f}": took})
+            for key in lists:  # once per request and export, not per span
+                pipe.ltrim(key, -TIMELINE_SPANS, -1)
+                pipe.expire(key, self._ttl_s)
+            for key in minutes:
+                pipe.zremrangebyrank(key, 0, -SLOWEST_PER_MINUTE - 1)
+                pipe.expire(key, self._ttl_s)
             pipe.execute()
         except Exception as exc:  # the recorder must never take a service down
             log.warning("request timeline not recorded", error=str(exc) or type(exc).__name__)
@@ -334,4 +346,5 @@ class TimelineExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        self._redis.close()
+        if self._redis is not None:
+            self._redis.close()

@@ -23,6 +23,13 @@ MAX_KEEP_LOG_S = 7 * 24 * 3600
 TRACEPARENT_PATTERN = r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 Traceparent = Annotated[str, Field(pattern=TRACEPARENT_PATTERN)]
 
+
+def _unset(value: object) -> bool:
+    """An optional field left off the wire when unset, so a message without it is the same bytes as
+    before the field existed."""
+    return value is None
+
+
 # A signed 64-bit seed, as engines take it (vLLM's own server caps seeds so).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -213,7 +220,9 @@ class InferenceRequest(Message):
     )
     placement: PlacementNote | None = Field(default=None, description="set by the placing dispatcher")
     traceparent: Traceparent | None = Field(
-        default=None, description="the span its next hop continues the request's trace from"
+        default=None,
+        exclude_if=_unset,
+        description="the span its next hop continues the request's trace from",
     )
 
     @model_validator(mode="after")
@@ -271,7 +280,9 @@ class TokenChunk(Message):
     text: str
     num_tokens: int = Field(ge=0)
     token_ids: tuple[int, ...] = Field(default=(), description="the tokens of `text`, for migration")
-    traceparent: Traceparent | None = Field(default=None, description="the worker's span, on a first chunk")
+    traceparent: Traceparent | None = Field(
+        default=None, exclude_if=_unset, description="the worker's span, on a first chunk"
+    )
 
 
 class FinalChunk(Message):
@@ -286,7 +297,9 @@ class FinalChunk(Message):
     finish_reason: FinishReason
     usage: Usage
     worker_id: str
-    traceparent: Traceparent | None = Field(default=None, description="the worker's span of the request")
+    traceparent: Traceparent | None = Field(
+        default=None, exclude_if=_unset, description="the worker's span of the request"
+    )
 
 
 class ErrorChunk(Message):

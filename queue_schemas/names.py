@@ -201,9 +201,10 @@ class Names:
         """List: the request's spans as its services recorded them (plumbing.tracing), for the dashboard."""
         return f"{self.prefix}:trace:{{{request_id}}}"
 
-    def recent_traces(self) -> str:
-        """Sorted set: request id -> its duration in seconds at the ingress, the most recent requests."""
-        return f"{self.prefix}:traces"
+    def slow_traces(self, minute: int) -> str:
+        """Sorted set: "<request id> <end>" -> its duration in seconds at the ingress, for the slowest
+        requests that ended in that minute (epoch seconds // 60)."""
+        return f"{self.prefix}:slow-traces:{minute}"
 
     def restarts(self) -> str:
         """Hash: process name -> how many times it exited and was started again (dev stack, local workers)."""

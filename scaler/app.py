@@ -118,16 +118,25 @@ def create_app(settings: ScalerSettings) -> FastAPI:
         return body
 
     @app.get("/api/traces")
-    async def recent_traces(minutes: float = 10.0, limit: int = 20) -> dict[str, Any]:
+    async def recent_traces(minutes: float = 10.0, limit: int = 20) -> JSONResponse:
         """The slowest requests of the last `minutes` whose spans were recorded (plumbing.tracing)."""
         loop = scaler.get("loop")
-        if loop is None or not 0 < minutes <= 1440 or not 0 < limit <= 1000:
-            return {"requests": []}
-        since = time.time() - minutes * 60
-        members = await loop.redis.zrangebyscore(
-            settings.names.recent_traces(), since, "+inf", withscores=True
-        )
-        return {"requests": slowest(members, since, limit)}
+        if not 0 < minutes <= 1440 or not 0 < limit <= 1000:
+            return JSONResponse({"error": "minutes must be in (0, 1440], limit in (0, 1000]"}, 400)
+        if loop is None:
+            return JSONResponse({"requests": []})
+        now = time.time()
+        since = now - minutes * 60
+        keys = [settings.names.slow_traces(m) for m in range(int(since // 60), int(now // 60) + 1)]
+        try:
+            async with loop.redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.zrange(key, 0, -1, withscores=True)
+                replies = await pipe.execute()
+        except RedisError as exc:
+            return JSONResponse({"error": f"Redis: {exc}"}, status_code=503)
+        members = [item for reply in replies for item in reply]
+        return JSONResponse({"requests": slowest(members, since, limit)})
 
     @app.get("/api/traces/{request_id}")
     async def request_timeline(request_id: str) -> JSONResponse:
@@ -135,7 +144,10 @@ def create_app(settings: ScalerSettings) -> FastAPI:
         loop = scaler.get("loop")
         if not REQUEST_ID.fullmatch(request_id):
             return JSONResponse({"error": "not a request id"}, status_code=400)
-        raw = [] if loop is None else await loop.redis.lrange(settings.names.trace(request_id), 0, -1)
+        try:
+            raw = [] if loop is None else await loop.redis.lrange(settings.names.trace(request_id), 0, -1)
+        except RedisError as exc:
+            return JSONResponse({"error": f"Redis: {exc}"}, status_code=503)
         if not raw:
             return JSONResponse({"error": f"no spans recorded for {request_id}"}, status_code=404)
         return JSONResponse(timeline_body(request_id, raw))

@@ -144,7 +144,13 @@ def timeline_body(request_id: str, raw: Sequence[bytes | str]) -> dict[str, Any]
             entry = json.loads(item)
         except ValueError:
             continue
-        if isinstance(entry, dict) and isinstance(entry.get("start"), float | int):
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("start"), float | int)
+            and isinstance(entry.get("end"), float | int)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("attributes", {}), dict)
+        ):
             spans.append(entry)
     if not spans:
         return {"request_id": request_id, "spans": [], "hops": {}}
@@ -185,17 +191,17 @@ def timeline_body(request_id: str, raw: Sequence[bytes | str]) -> dict[str, Any]
 
 
 def slowest(members: Sequence[Any], since: float, limit: int) -> list[dict[str, Any]]:
-    """The slowest requests that ended since `since`, from the recent-traces set (member
-    "<request id> <seconds>", score its end time). Pure."""
+    """The slowest requests that ended since `since`, from the minutes' slow-trace sets (member
+    "<request id> <end>", score its duration in seconds). Pure."""
     rows: list[dict[str, Any]] = []
-    for member, ended in members:
-        text = member.decode() if isinstance(member, bytes) else member
-        request_id, _, took = text.partition(" ")
+    for member, took in members:
+        text = member.decode() if isinstance(member, bytes) else str(member)
+        request_id, _, end = text.partition(" ")
         try:
-            seconds = float(took)
+            ended = float(end)
         except ValueError:
             continue
         if ended >= since:
-            rows.append({"request_id": request_id, "seconds": seconds, "ended_at": ended})
+            rows.append({"request_id": request_id, "seconds": float(took), "ended_at": ended})
     rows.sort(key=lambda r: -float(r["seconds"]))
     return rows[:limit]

@@ -608,4 +608,4 @@ def line_trace(request: BatchSubmission, batch_id: str, pool: str, number: int) 
         "sluice.batch_id": batch_id,
         "sluice.batch_line": number,
     }
-    return tracing.kafka_headers(tracing.record("batch line", None, now, now, attributes))
+    return tracing.kafka_headers(tracing.record("batch line", tracing.new_trace(), now, now, attributes))

@@ -210,9 +210,11 @@ def test_a_request_picked_by_id_shows_its_timeline(stack: Endpoints, browser: we
         lambda: shows_every_hop([s["name"] for s in httpx.get(timeline).json()["spans"]]),
         30,
     )
+    recent = httpx.get(stack.scaler_url + "/api/traces", params={"minutes": 10, "limit": 1000}).json()
+    assert request_id in [r["request_id"] for r in recent["requests"]], "listed among the recent requests"
     browser.get(stack.scaler_url + "/dashboard")
     wait_for("the slowest requests listed", lambda: bool(browser.find_elements(
-        By.CSS_SELECTOR, f'#slowest button[data-request="{request_id}"]')), 30)  # fmt: skip
+        By.CSS_SELECTOR, "#slowest button[data-request]")), 30)  # fmt: skip
     field = browser.find_element(By.ID, "trace-id")
     field.send_keys(f"chatcmpl-{request_id}")
     browser.find_element(By.CSS_SELECTOR, "#trace-form button").click()
@@ -222,8 +224,13 @@ def test_a_request_picked_by_id_shows_its_timeline(stack: Endpoints, browser: we
     shown = [str(row.get_attribute("data-span")) for row in rows]
     assert shows_every_hop(shown), shown
     assert shown[0] == "POST /v1/chat/completions", "the request's own span first, the hops under it"
-    bars = browser.find_elements(By.CSS_SELECTOR, "#timeline .span-bar")
-    assert all(bar.size["width"] >= 1 for bar in bars)
+
+    def bar_width(hop: str) -> int:
+        (row,) = [r for r in rows if r.get_attribute("data-span") == hop]
+        return int(row.find_element(By.CSS_SELECTOR, ".span-bar").size["width"])
+
+    # Drawn to scale: ten tokens of 20 ms against a millisecond or so in the inbox.
+    assert bar_width("decode") > 20 * bar_width("inbox")
     assert "where the time went" in browser.find_element(By.ID, "hops").text
     assert "decode" in browser.find_element(By.ID, "hops").text
     browser.save_screenshot(str(ARTIFACTS / "request-timeline.png"))

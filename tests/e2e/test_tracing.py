@@ -308,6 +308,7 @@ def test_killed_processes_come_back_and_requests_go_on(dev_run: DevRun) -> None:
         assert pid_alive(live_pids(dev_run)[name])
     wait("the ingress answering", lambda: httpx.get(url + "/healthz", timeout=2).status_code == 200)
     workers = child_pids(dev_run.pids["scaler"])
+    before = httpx.get(scaler_url + "/api/dashboard", timeout=2).json()["restarts"].get("workers of sim", 0)
     killed_at = time.time()
     os.kill(workers[0], signal.SIGKILL)
 
@@ -316,7 +317,7 @@ def test_killed_processes_come_back_and_requests_go_on(dev_run: DevRun) -> None:
         ready = [w for w in body["pools"][0]["workers"] if w["state"] == "ready" and w["heartbeat_age_s"] < 3]
         return (
             len(ready) == 2
-            and body["restarts"].get("workers of sim", 0) >= 1
+            and body["restarts"].get("workers of sim", 0) == before + 1
             and len(child_pids(dev_run.pids["scaler"])) >= 2
         )
 

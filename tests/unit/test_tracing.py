@@ -20,6 +20,7 @@ from gpu_workers.tracing import entry_time
 from infra.devstack import DevStack, InfraLost, restart_delay
 from infra.launcher import spawn
 from plumbing import tracing
+from queue_schemas.codec import encode
 from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, SamplingParams, TokenChunk
 from queue_schemas.settings import BusSettings
 from scaler.dashboard import slowest, timeline_body
@@ -35,12 +36,17 @@ def test_only_a_version_00_traceparent_is_continued() -> None:
 
 
 def test_record_headers_are_read_as_untrusted() -> None:
-    assert tracing.header_values([("traceparent", TRACEPARENT.encode()), ("tracestate", b"a=1")]) == (
-        TRACEPARENT,
-        "a=1",
+    assert tracing.header_traceparent([("tracestate", b"a=1"), ("traceparent", TRACEPARENT.encode())]) == (
+        TRACEPARENT
     )
-    assert tracing.header_values([("traceparent", b"\xff\xfe"), ("tracestate", b"x" * 600)]) == (None, None)
-    assert tracing.header_values(None) == (None, None)
+    assert tracing.header_traceparent([("traceparent", b"\xff\xfe")]) is None
+    assert tracing.header_traceparent(None) is None
+
+
+def test_an_unset_traceparent_is_left_off_the_wire() -> None:
+    chunk = TokenChunk(request_id="r" * 16, seq=0, text="a", num_tokens=1)
+    assert b"traceparent" not in encode(chunk)
+    assert b"traceparent" in encode(chunk.model_copy(update={"traceparent": TRACEPARENT}))
 
 
 def test_a_message_refuses_a_malformed_traceparent() -> None:
@@ -137,10 +143,10 @@ def test_the_timeline_orders_spans_and_sums_the_leaves() -> None:
 
 
 def test_the_slowest_recent_requests_come_first() -> None:
-    members = [(b"a 0.5", 100.0), (b"b 2.0", 101.0), (b"c 9.0", 10.0), (b"junk", 100.0), ("d 1.0", 102.0)]
+    members = [(b"a 100.0", 0.5), (b"b 101.0", 2.0), (b"c 10.0", 9.0), (b"junk", 5.0), ("d 102.5", 1.0)]
     rows = slowest(members, since=50.0, limit=2)
     assert [r["request_id"] for r in rows] == ["b", "d"]
-    assert rows[0]["seconds"] == 2.0
+    assert rows[0] == {"request_id": "b", "seconds": 2.0, "ended_at": 101.0}
 
 
 def test_restart_back_off_doubles_to_a_cap() -> None:
