@@ -202,6 +202,20 @@ def test_a_malformed_traceparent_starts_a_new_trace(dev_run: DevRun, sink: OtlpS
     assert root.parent_id is None
 
 
+def test_a_responses_api_request_is_one_trace(dev_run: DevRun, sink: OtlpSink) -> None:
+    with client(dev_run) as c:
+        response = c.responses.create(model=MODEL, input="trace a response", max_output_tokens=40)
+    assert response.status == "incomplete", "the answer is longer than 40 tokens"
+    assert response.output_text
+    request_id = response.id.removeprefix("resp_")
+    spans = wait_spans(sink, request_id, has("POST /v1/responses", "placement", "decode", "relay"))
+    assert len({s.trace_id for s in spans}) == 1
+    assert {s.service for s in spans} == {"sluice-ingress", "sluice-dispatcher", "sluice-worker"}
+    (root,) = [s for s in spans if s.parent_id is None]
+    assert root.name == "POST /v1/responses"
+    assert root.attributes["sluice.outcome"] == "ok"
+
+
 def test_a_batch_line_is_one_trace(dev_run: DevRun, sink: OtlpSink) -> None:
     line = {
         "custom_id": "traced-line", "method": "POST", "url": "/v1/chat/completions",
