@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
+from bench.otlp_sink import OtlpSink
 from dispatcher.migration import continuation, progress_of
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EngineOutput, RequestFailed
 from gpu_workers.vllm_engine import VllmEngine
+from plumbing import tracing
 from plumbing.model_store import ModelStore
 from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, KvEventKind, TokenChunk
 from queue_schemas.prefix import block_hashes, cache_salt
+from queue_schemas.settings import BusSettings
 from tests.engine.conftest import BLOCK, ENGINE_TIMEOUT, request_for, tiny_pool
 from tests.waiting import eventually
 
@@ -23,14 +26,57 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(ENGINE_TIMEOUT), pytest.mark
 LONG_PROMPT = [(i * 7) % 400 + 3 for i in range(300)]  # two full blocks of 128 and a partial one
 
 
+@pytest.fixture(scope="module")
+def sink() -> Iterator[OtlpSink]:
+    """An OTLP/HTTP receiver for the engine's own spans and this process's (tracing on for the module)."""
+    with OtlpSink() as receiver, pytest.MonkeyPatch.context() as env:
+        for name, value in {**receiver.env(), "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}.items():
+            env.setenv(name, value)  # vLLM's exporter reads its protocol here
+        tracing.configure(BusSettings(), "worker")
+        try:
+            yield receiver
+        finally:
+            tracing.shutdown()
+            env.setattr(tracing, "ENABLED", False)
+            env.setattr(tracing, "_tracer", None)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmEngine]:
+async def engine(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, sink: OtlpSink
+) -> AsyncIterator[VllmEngine]:
+    pool = tiny_pool(str(tiny_llama))
+    assert pool.vllm is not None
+    traced = pool.vllm.model_copy(update={"engine_traces_endpoint": sink.endpoint + "/v1/traces"})
     e = VllmEngine(
-        tiny_pool(str(tiny_llama)), ModelStore(tmp_path_factory.mktemp("cache")), spec_decoding=False
+        pool.model_copy(update={"vllm": traced}),
+        ModelStore(tmp_path_factory.mktemp("cache")),
+        spec_decoding=False,
     )
     await e.start()
     yield e
     await e.close()
+
+
+async def test_the_engine_span_joins_the_request_trace(engine: VllmEngine, sink: OtlpSink) -> None:
+    rid = "req-traced-00000001"
+    span = tracing.start("generate", tracing.new_trace(), attributes={tracing.REQUEST_ID: rid})
+    with tracing.current(span):
+        outs = await collect(engine, request_for([10, 11, 12, 13], max_tokens=4, rid=rid))
+    tracing.end(span)
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+    ours = tracing.traceparent_of(span)
+    assert ours is not None
+
+    async def engine_span() -> bool:
+        return any(s.attributes.get("gen_ai.request.id") == rid for s in sink.spans)
+
+    await eventually(engine_span, 30, "vLLM's span of the request")
+    (request_span,) = [s for s in sink.spans if s.attributes.get("gen_ai.request.id") == rid]
+    assert request_span.trace_id == ours.split("-")[1], "the engine's span is in the request's trace"
+    assert request_span.parent_id == ours.split("-")[2], "under the worker's span"
+    untraced = await collect(engine, request_for([10, 11], max_tokens=2, rid="req-untraced-000001"))
+    assert untraced[-1].finish_reason is FinishReason.LENGTH
 
 
 async def collect(engine: VllmEngine, request: InferenceRequest) -> list[EngineOutput]:
