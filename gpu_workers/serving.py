@@ -172,6 +172,7 @@ class Serving(WorkerParts):
 
     async def _deliver(self, out: RequestOutput, chunk: TokenChunk | FinalChunk | None) -> None:
         if isinstance(chunk, FinalChunk):
+            chunk = chunk.model_copy(update={"ended_at": time.time()})
             out.usage = chunk.usage
             event = usage_event(out.request, UsageStatus.COMPLETED, chunk.usage, time.time(), out.timing)
             await self._settle(out.request, chunk.usage.total_tokens, event)

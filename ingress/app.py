@@ -11,6 +11,7 @@ from functools import partial
 import structlog
 from aiokafka import AIOKafkaProducer
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,6 +23,7 @@ from ingress.context import IngressContext
 from ingress.pool_gate import PoolGate
 from ingress.responses.routes import router as responses_router
 from ingress.responses.store import ResponseStore
+from ingress.resume import STREAM_HEADER
 from ingress.routes import router
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
@@ -120,6 +122,14 @@ def create_app(settings: IngressSettings) -> FastAPI:
     app = FastAPI(title="sluice ingress", lifespan=lifespan, openapi_url="/openapi.json", docs_url=None)
     if tracing.ENABLED:
         app.add_middleware(TraceMiddleware)
+    if settings.cors_origins:  # a web page calling the API from a browser (fetch, EventSource)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["authorization", "content-type", "last-event-id"],
+            expose_headers=[STREAM_HEADER],
+        )
     app.include_router(router)
     app.include_router(batch_router)
     app.include_router(responses_router)

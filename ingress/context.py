@@ -16,6 +16,7 @@ from ingress.auth import Authenticator
 from ingress.batches.object_store import ObjectStore
 from ingress.pool_gate import PoolGate
 from ingress.responses.store import ResponseStore
+from ingress.resume import StreamStore
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from ingress.tracing import before_send
@@ -80,6 +81,31 @@ class IngressContext:
             raise ServiceUnavailable("The request queue is unreachable; retry shortly.") from exc
         finally:
             tracing.end(span, error=error)
+
+    @property
+    def streams(self) -> StreamStore:
+        return StreamStore(self.redis, self.settings.names)
+
+    def leave(self, request_id: str, pool: str, reader: int) -> None:
+        """A stream's reader (number `reader`, ingress.resume) went away before the end: the request is
+        cancelled after its pool's grace period unless another reader has come back by then."""
+        config = next((p for p in self.pools.pools if p.name == pool), None)
+        grace = 0.0 if config is None else config.resume_grace_s
+        if grace <= 0:
+            self.cancel_soon(request_id, "client disconnected")
+            return
+        task = asyncio.create_task(self._cancel_unless_back(request_id, reader, grace))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _cancel_unless_back(self, request_id: str, reader: int, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        try:
+            if await self.streams.readers(request_id) != reader:
+                return  # someone came back for it
+        except RedisError as exc:
+            log.warning("stream readers not read; cancelling", request_id=request_id, error=str(exc))
+        await self._cancel(request_id, f"client disconnected and did not come back in {grace_s:g} s")
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Tell dispatchers and workers to drop the request; detached, so a dying handler still sends it."""

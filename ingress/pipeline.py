@@ -16,13 +16,24 @@ import structlog
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 
 from ingress import relay, tracing
 from ingress.auth import Caller
 from ingress.context import IngressContext
 from ingress.metrics import ACTIVE_STREAMS, INTER_TOKEN, REJECTIONS, REQUESTS, TTFT
-from ingress.streams import HubDisconnected, Subscription
+from ingress.resume import (
+    STREAM_HEADER,
+    Ping,
+    StreamRecord,
+    last_event_id,
+    new_token,
+    numbered,
+    request_id_of,
+    token_matches,
+)
+from ingress.streams import RESYNC, HubDisconnected, Subscription
 from openai_api import admission
 from openai_api.errors import (
     ApiError,
@@ -42,6 +53,7 @@ from openai_api.structured import (
     xgrammar_check,
 )
 from openai_api.tokenizer import encode_off_loop
+from plumbing.replay import log_ttl_ms
 from queue_schemas.boundary import InputRefused, load_untrusted
 from queue_schemas.config import PoolConfig
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
@@ -209,17 +221,44 @@ async def serve(
     """Admit, queue, then relay: the steps both completion endpoints share."""
     admitted = await admit(ctx, team, pool, body, prompt_ids, make_plan, slo=slo)
     inference, plan, headers = admitted.inference, admitted.plan, admitted.headers
+    model = inference.adapter or pool.model
+    saving = None
+    if body.stream:  # kept while the stream runs, so a client can read it again (ingress.resume)
+        record = stream_record(inference, kind, model, body.include_usage(), plan)
+        ttl = log_ttl_ms(inference.deadline, time.time(), False, inference.keep_log_s)
+        saving = asyncio.create_task(ctx.streams.save(record, ttl))
+        headers = {**headers, STREAM_HEADER: record.path()}
     sub = await queue(ctx, inference)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    model = inference.adapter or pool.model
     shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), model)
     ACTIVE_STREAMS.labels(pool.name).inc()
     if body.stream:
+        assert saving is not None
+        try:
+            await saving
+        except RedisError as exc:  # the stream runs; it cannot be read again elsewhere
+            log.warning("stream record not saved", request_id=inference.request_id, error=str(exc))
         stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))
-        return EventSourceResponse(stream, ping=ctx.settings.keepalive_s, headers=headers)
+        return EventSourceResponse(
+            stream, ping=ctx.settings.keepalive_s, headers=headers, ping_message_factory=Ping
+        )
     async with gathering(ctx, sub, inference):
         result = await relay.collect(sub, inference, ctx.read_log, shape, plan.tool)
     return JSONResponse(result, headers=headers)
+
+
+def stream_record(
+    inference: InferenceRequest,
+    kind: Literal["chat", "text"],
+    model: str,
+    include_usage: bool,
+    plan: OutputPlan,
+) -> StreamRecord:
+    return StreamRecord(
+        request_id=inference.request_id, team=inference.team, pool=inference.pool, kind=kind, model=model,
+        created=int(inference.created_at), deadline=inference.deadline, include_usage=include_usage,
+        tool=plan.tool, token=new_token(),
+    )  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -244,6 +283,56 @@ async def gathering(
         await sub.close()
 
 
+async def read_again(
+    ctx: IngressContext,
+    request: Request,
+    completion_id: str,
+    kind: Literal["chat", "text"],
+    after: int | None,
+    token: str | None,
+) -> Response:
+    """A completion's stream read again (ingress.resume): every event after the last one the client saw,
+    then the live ones. The caller proves it may read it by its stream token, or by a key of the
+    request's team; any other caller gets the 404 of a stream that does not exist."""
+    missing = NotFound(f"No stream found for '{completion_id}'.", param="completion_id", code="not_found")
+    rid = request_id_of(completion_id, kind)
+    if rid is None:
+        raise missing
+    seen = last_event_id(request.headers.get("last-event-id"), after)
+    if seen is None:
+        raise InvalidRequest(
+            "Last-Event-ID must be the id of an event of this stream.", param="Last-Event-ID"
+        )
+    try:
+        record = await ctx.streams.load(rid)
+    except RedisError as exc:
+        raise ServiceUnavailable("Streams cannot be read now; retry shortly.") from exc
+    if token is not None:
+        allowed = record is not None and token_matches(record, token)
+    else:
+        caller = await ctx.auth.authenticate(request.headers.get("authorization"))
+        allowed = record is not None and record.team == caller.team
+    if record is None or not allowed or record.kind != kind:
+        raise missing
+    try:
+        ttl = log_ttl_ms(record.deadline, time.time(), False, 0)
+        reader = await ctx.streams.attach(rid, ttl)
+        sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(rid))
+    except (RedisError, HubDisconnected) as exc:
+        raise ServiceUnavailable("Streams cannot be read now; retry shortly.") from exc
+    sub.deliver(RESYNC)  # what the log holds first, then the live stream
+    ACTIVE_STREAMS.labels(record.pool).inc()
+    shape = ResponseShape(kind, record.completion_id, record.created, record.model)
+    fmt = relay.SseFormatter(shape, record.include_usage, record.tool)
+    stream = sse_events(ctx, sub, record, fmt, after=seen, reader=reader)
+    return EventSourceResponse(
+        stream,
+        ping=ctx.settings.keepalive_s,
+        headers={STREAM_HEADER: record.path()},
+        ping_message_factory=Ping,
+    )
+
+
 async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscription:
     """Subscribe to the reply channel, then produce; release the reservation if either fails."""
     try:
@@ -262,27 +351,41 @@ async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscriptio
 
 
 async def sse_events(
-    ctx: IngressContext, sub: Subscription, inference: InferenceRequest, fmt: relay.SseFormatter
-) -> AsyncIterator[dict[str, str]]:
-    """SSE payloads for one request; if the client goes away first, cancel the request upstream."""
+    ctx: IngressContext,
+    sub: Subscription,
+    inference: InferenceRequest | StreamRecord,
+    fmt: relay.SseFormatter,
+    *,
+    after: int = -1,
+    reader: int = 0,
+) -> AsyncIterator[dict[str, Any]]:
+    """SSE events for one request, each with its number as its id, those after `after` only (a client
+    reading it again). If the client goes away first, the request is cancelled after its pool's grace
+    period unless a reader comes back (ingress.resume); `reader` is this one's number."""
     finished = False
     outcome = "cancelled"
     traced = tracing.Relay(inference.request_id, inference.pool)
     final: FinalChunk | None = None
+    sent = 0  # events made so far, sent or skipped
     try:
-        for payload in fmt.opening():
-            yield {"data": payload}
+        opening = fmt.opening()
+        for numbered_event in numbered(opening, sent, after):
+            yield numbered_event
+        sent += len(opening)
         last = 0.0
         async for event in relay.events(sub, inference, ctx.read_log):
             traced.chunk()
             now = time.time()
-            if event.seq == 0:
-                TTFT.labels(inference.pool).observe(now - inference.created_at)
-            elif isinstance(event, TokenChunk | FinalChunk) and event.num_tokens:
-                INTER_TOKEN.labels(inference.pool).observe((now - last) / event.num_tokens)
+            if isinstance(inference, InferenceRequest):  # its first reading, not a stream read again
+                if event.seq == 0:
+                    TTFT.labels(inference.pool).observe(now - inference.created_at)
+                elif isinstance(event, TokenChunk | FinalChunk) and event.num_tokens:
+                    INTER_TOKEN.labels(inference.pool).observe((now - last) / event.num_tokens)
             last = now
-            for payload in fmt.format(event):
-                yield {"data": payload}
+            payloads = fmt.format(event)
+            for numbered_event in numbered(payloads, sent, after):
+                yield numbered_event
+            sent += len(payloads)
             if isinstance(event, FinalChunk | ErrorChunk):
                 finished = True
                 outcome = "ok" if isinstance(event, FinalChunk) else "error"
@@ -290,7 +393,8 @@ async def sse_events(
     finally:
         traced.done(outcome, final)
         if not finished:
-            ctx.cancel_soon(inference.request_id, "client disconnected")
-        REQUESTS.labels(inference.pool, outcome).inc()
+            ctx.leave(inference.request_id, inference.pool, reader)
+        if reader == 0:  # a request counted once, by its first reading
+            REQUESTS.labels(inference.pool, outcome).inc()
         ACTIVE_STREAMS.labels(inference.pool).dec()
         await sub.close()

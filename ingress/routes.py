@@ -3,14 +3,23 @@ pipeline (ingress.pipeline)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import structlog
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ingress.pipeline import Context, Team, body_schema, prepare_chat, read_json_body, resolve_pool, serve
+from ingress.pipeline import (
+    Context,
+    Team,
+    body_schema,
+    prepare_chat,
+    read_again,
+    read_json_body,
+    resolve_pool,
+    serve,
+)
 from openai_api.admission import parse_body, slo_from_headers
 from openai_api.errors import InvalidRequest
 from openai_api.openai_types import ChatCompletionRequest, CompletionRequest
@@ -58,6 +67,21 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
     body = parse_body(ChatCompletionRequest, raw)
     pool, prompt_ids, plan = await prepare_chat(ctx, team, body, size)
     return await serve(ctx, team, pool, body, prompt_ids, "chat", plan, slo)
+
+
+@router.get("/v1/chat/completions/{completion_id}/stream")
+@router.get("/v1/completions/{completion_id}/stream")
+async def completion_stream(
+    completion_id: str,
+    request: Request,
+    ctx: Context,
+    after: Annotated[int | None, Query(ge=-1, lt=10**9)] = None,
+    token: Annotated[str | None, Query(max_length=64)] = None,
+) -> Response:
+    """A streamed chat or text completion read again, through any ingress: the events after
+    `Last-Event-ID` (or `after`), then the live ones (ingress.resume)."""
+    kind: Literal["chat", "text"] = "chat" if request.url.path.startswith("/v1/chat/") else "text"
+    return await read_again(ctx, request, completion_id, kind, after, token)
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))

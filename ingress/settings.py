@@ -13,6 +13,10 @@ class IngressSettings(BusSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     request_timeout_s: float = Field(default=600.0, gt=0, description="deadline given to each request")
     keepalive_s: float = Field(default=10.0, gt=0, description="SSE comment interval while waiting")
+    cors_origins: list[str] = Field(
+        default=[],
+        description="web origins allowed to call the API from a browser (`*`: any); none by default",
+    )
     stream_outage_s: float = Field(
         default=30.0,
         gt=0,

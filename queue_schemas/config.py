@@ -305,6 +305,13 @@ class PoolConfig(BaseModel):
         description="how many times a request may move to another worker after losing its own; past it "
         "the request ends with worker_lost",
     )
+    resume_grace_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="how long a streamed request whose client dropped keeps running for the client to "
+        "come back (ingress.resume); 0: cancelled at once",
+    )
     shared_prefix_cache: bool = Field(
         default=False,
         description="let teams reuse each other's cached prefixes (a public system prompt, say); then a "

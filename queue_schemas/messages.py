@@ -300,6 +300,9 @@ class FinalChunk(Message):
     traceparent: Traceparent | None = Field(
         default=None, exclude_if=_unset, description="the worker's span of the request"
     )
+    ended_at: float | None = Field(
+        default=None, exclude_if=_unset, description="epoch seconds the worker ended the request"
+    )
 
 
 class ErrorChunk(Message):

@@ -197,6 +197,14 @@ class Names:
         """Hash: seq -> every chunk of the request published so far (see plumbing.replay)."""
         return f"{self.prefix}:replay:{{{request_id}}}"
 
+    def stream_record(self, request_id: str) -> str:
+        """What a completion stream's events are made from, for reading it again (ingress.resume)."""
+        return f"{self.prefix}:streamrec:{{{request_id}}}"
+
+    def stream_readers(self, request_id: str) -> str:
+        """Counter: readers that came back to a completion stream (ingress.resume)."""
+        return f"{self.prefix}:readers:{{{request_id}}}"
+
     def trace(self, request_id: str) -> str:
         """List: the request's spans as its services recorded them (plumbing.tracing), for the dashboard."""
         return f"{self.prefix}:trace:{{{request_id}}}"

@@ -7,17 +7,20 @@ become chat tools), so it travels the same admission, quota, placement and engin
 Served: text input (a string, or messages with text parts), `instructions`, function tools with
 `tool_choice`, earlier function calls and their outputs as input items, `text.format` (text, JSON object,
 JSON schema), `max_output_tokens`, `temperature`, `top_p`, `service_tier`, `metadata`, `store`,
-`background` and `stream`. Not served, each answered with a 400 naming it: `previous_response_id` and
-`conversation` (send the whole conversation as `input`), `prompt` templates, `reasoning`, `include`,
+`background` and `stream`, and `previous_response_id` (the conversation so far is the previous response's
+input and output, then this input; its `instructions` are not carried over). Not served, each answered
+with a 400 naming it: `conversation` (chain by `previous_response_id`, or send the whole conversation as
+`input`), `prompt` templates, `reasoning`, `include`,
 `truncation: auto`, `top_logprobs`, `max_tool_calls`, built-in tools (web search, file search, ...), and
 image, file or audio input.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from openai_api.errors import InvalidRequest
 from openai_api.openai_types import (
@@ -40,8 +43,7 @@ from openai_api.openai_types import (
 # Fields of OpenAI's request that this server does not serve, with what to do instead. Sent with a
 # value other than null (or an empty list or object, or 0), each is a 400 naming it.
 NOT_SERVED: dict[str, str] = {
-    "previous_response_id": "Send the whole conversation as `input` instead.",
-    "conversation": "Send the whole conversation as `input` instead.",
+    "conversation": "Chain responses with previous_response_id, or send the whole conversation as `input`.",
     "prompt": "Prompt templates are not stored here; send the text as `input`.",
     "reasoning": "The served models have no reasoning settings.",
     "include": "No extra output (such as logprobs or reasoning content) can be included.",
@@ -126,6 +128,67 @@ InputItem = Annotated[
 ]
 
 
+_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def stored_items(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as a response keeps them and `input_items` lists them: OpenAI's shape, each with an id
+    (its own, or a new one) and a status; a message's text as content parts. Pure but for the ids."""
+    out = []
+    for item in items:
+        entry = item.model_dump(exclude_none=True)
+        if isinstance(item, MessageItem):
+            if isinstance(item.content, str):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                entry["content"] = [{"type": kind, "text": item.content}]
+            entry["type"] = "message"
+        entry.setdefault("id", f"{ITEM_PREFIX[entry['type']]}_{secrets.token_hex(16)}")
+        entry.setdefault("status", "completed")
+        out.append(entry)
+    return out
+
+
+def parse_items(raw: Any) -> list[InputItem]:
+    """Stored input items (or a response's output items) as input items again; ValueError if not."""
+    return _ITEMS.validate_python(raw)
+
+
+def request_items(body: ResponsesRequest) -> list[InputItem]:
+    """The request's own input as items (a string is one user message)."""
+    if isinstance(body.input, str):
+        return [MessageItem(role="user", content=[InputText(type="input_text", text=body.input)])]
+    return list(body.input)
+
+
+def output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the next turn's input: its message and function call items, as they
+    were. Pure."""
+    return [dict(item) for item in output if item.get("type") in ("message", "function_call")]
+
+
+def page_of(
+    items: list[dict[str, Any]], limit: int, order: Literal["asc", "desc"], after: str | None
+) -> dict[str, Any] | None:
+    """One page of a response's input items, OpenAI's list object (`after`: the id the last page ended
+    at); None when `after` names no item. Pure."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            return None
+        start = ids.index(after) + 1
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
+    }
+
+
 class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -176,6 +239,7 @@ class ResponsesRequest(BaseModel):
 
     model: str = Field(min_length=1)
     input: str | Annotated[list[InputItem], Field(min_length=1)]
+    previous_response_id: str | None = Field(default=None, max_length=64)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)

@@ -77,6 +77,7 @@ class ResponseEvents:
     usage: Usage | None = None
     error: dict[str, Any] | None = None
     incomplete: dict[str, Any] | None = None
+    completed_at: float | None = None
     _text: list[str] = field(default_factory=list)
     _open: dict[str, Any] | None = None  # the output item being streamed
     _output_tokens: int = 0
@@ -198,6 +199,7 @@ class ResponseEvents:
         cut = chunk.finish_reason is FinishReason.LENGTH
         out += self._close("incomplete" if cut else "completed")
         self.usage = chunk.usage
+        self.completed_at = None if cut else chunk.ended_at
         if cut:
             self.status = "incomplete"
             self.incomplete = {"reason": "max_output_tokens"}
@@ -233,6 +235,7 @@ class ResponseEvents:
             "id": rec.response_id,
             "object": "response",
             "created_at": int(rec.created_at),
+            "completed_at": None if self.completed_at is None else int(self.completed_at),
             "status": shown,
             "background": rec.background,
             "error": self.error,
@@ -240,7 +243,7 @@ class ResponseEvents:
             "model": rec.model,
             "output": output,
             "parallel_tool_calls": rec.echo.get("parallel_tool_calls", True),
-            "previous_response_id": None,
+            "previous_response_id": rec.echo.get("previous_response_id"),
             "store": rec.echo.get("store", True),
             "tool_choice": rec.echo.get("tool_choice", "auto"),
             "tools": rec.echo.get("tools", []),

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -34,7 +34,17 @@ from ingress.pipeline import (
     queue,
     read_json_body,
 )
-from ingress.responses.api import ResponsesRequest, as_chat, check_served, parse_response_id
+from ingress.responses.api import (
+    ResponsesRequest,
+    as_chat,
+    check_served,
+    output_as_input,
+    page_of,
+    parse_items,
+    parse_response_id,
+    request_items,
+    stored_items,
+)
 from ingress.responses.events import (
     ResponseEvents,
     ResponseRecord,
@@ -72,6 +82,7 @@ def echo_fields(body: ResponsesRequest) -> dict[str, Any]:
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         "text": {"format": {"type": "text"}, **text},
         "store": body.store,
+        "previous_response_id": body.previous_response_id,
     }
 
 
@@ -98,7 +109,9 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
     body = parse_body(ResponsesRequest, raw)
     if body.background and not body.store:
         raise InvalidRequest("A background response must be stored: store cannot be false.", param="store")
-    chat = as_chat(body)
+    history = [] if body.previous_response_id is None else await before(ctx, team, body.previous_response_id)
+    items = history + stored_items(request_items(body))
+    chat = as_chat(body.model_copy(update={"input": parse_items(items)}))
     pool, prompt_ids, plan = await prepare_chat(ctx, team, chat, size)
     keep_s = ctx.settings.responses_retain_s if body.store else 0
     admitted = await admit(ctx, team, pool, chat, prompt_ids, plan, keep_s)
@@ -108,7 +121,7 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
         storage = TeamStorage(ctx.redis, ctx.settings.names, ctx.settings.team_caps())
         try:
             await storage.hold_response(team.team, inference.request_id, record.deadline + keep_s)
-            await ctx.responses.save(record)
+            await ctx.responses.save(record, items)
         except BaseException as exc:
             await ctx.release(inference.team, inference.request_id)
             if isinstance(exc, RedisError):
@@ -204,6 +217,56 @@ async def find(ctx: IngressContext, team: Team, response_id: str) -> tuple[Respo
     if found is None or found[0].team != team.team:
         raise missing
     return found
+
+
+async def before(ctx: IngressContext, team: Team, response_id: str) -> list[dict[str, Any]]:
+    """The conversation a response continues: the previous response's input items and its output. The
+    caller's team's stored responses only (another's is a 404); one still running is a 400."""
+    param = "previous_response_id"
+    try:
+        record, _ = await find(ctx, team, response_id)
+    except NotFound:
+        raise NotFound(
+            f"No response found with id '{response_id}'.", param=param, code="previous_response_not_found"
+        ) from None
+    events = await current(ctx, record)
+    if events.status in ("queued", "in_progress"):
+        raise InvalidRequest(
+            f"Response '{response_id}' is still {events.status}; continue from it once it has ended.",
+            param=param,
+        )
+    try:
+        items = await ctx.responses.input_items(record.request_id)
+    except RedisError as exc:
+        raise ServiceUnavailable("Responses cannot be read now; retry shortly.") from exc
+    if items is None:
+        raise InvalidRequest(f"Response '{response_id}' was stored without its input.", param=param)
+    return items + output_as_input(events.output)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    ctx: Context,
+    team: Team,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: Annotated[str | None, Query(max_length=128)] = None,
+    include: Annotated[list[str] | None, Query()] = None,
+) -> JSONResponse:
+    """The input items a response was made from (with every earlier turn's, for a chained one), a page
+    at a time, as OpenAI lists them: newest first unless `order=asc`, the next page `after` the last id."""
+    if include:
+        raise InvalidRequest("'include' is not supported by this server.", param="include")
+    record, _ = await find(ctx, team, response_id)
+    try:
+        items = await ctx.responses.input_items(record.request_id)
+    except RedisError as exc:
+        raise ServiceUnavailable("Responses cannot be read now; retry shortly.") from exc
+    page = page_of(items or [], limit, order, after)
+    if page is None:
+        raise InvalidRequest(f"No input item with id '{after}' in this response.", param="after")
+    return JSONResponse(page)
 
 
 async def current(ctx: IngressContext, record: ResponseRecord) -> ResponseEvents:

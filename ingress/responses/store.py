@@ -15,7 +15,9 @@ after charging the team what was generated.
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from ingress.responses.events import ResponseRecord
@@ -27,6 +29,7 @@ from queue_schemas.names import Names
 
 RECORD = "record"
 CANCELLED = "cancelled"
+INPUT = "input"  # the conversation's input items (this turn's and every earlier turn's), JSON
 
 
 class ResponseStore:
@@ -41,12 +44,20 @@ class ResponseStore:
         """Until `keep_s` past the deadline: when its request's replay log expires too."""
         return max(1000, int((record.deadline - time.time() + self.keep_s) * 1000))
 
-    async def save(self, record: ResponseRecord) -> None:
+    async def save(self, record: ResponseRecord, items: list[dict[str, Any]]) -> None:
         key = self._names.response(record.request_id)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.hset(key, RECORD, record.model_dump_json())
+            pipe.hset(key, mapping={RECORD: record.model_dump_json(), INPUT: orjson.dumps(items)})
             pipe.pexpire(key, self._ttl_ms(record))
             await pipe.execute()
+
+    async def input_items(self, request_id: str) -> list[dict[str, Any]] | None:
+        """The input items the response was made from; None for a response stored without them."""
+        raw = await self._redis.hget(self._names.response(request_id), INPUT)
+        if raw is None:
+            return None
+        items = orjson.loads(raw)
+        return items if isinstance(items, list) else None
 
     async def load(self, request_id: str) -> tuple[ResponseRecord, bool] | None:
         """The record and whether a cancel was accepted; None when there is no such response."""

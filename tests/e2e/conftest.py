@@ -9,6 +9,8 @@ from typing import Any
 import openai
 import pytest
 import redis.asyncio as aioredis
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
 
 from infra.devstack import DevStack, Endpoints
 from infra.keys import create_key, set_team_limits
@@ -195,3 +197,26 @@ def _close_clients() -> Iterator[None]:
     yield
     while _open_clients:
         _open_clients.pop().close()
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    assert not missing, f"{missing} not installed: `make test` installs Debian's chromium and chromium-driver"
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--window-size=1280,1400", f"--user-data-dir={tmp_path / 'profile'}",
+    ):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -287,7 +287,7 @@ def test_structured_output_and_function_calls(endpoints: Endpoints) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_0123"}, "previous_response_id"),
+        ({"conversation": "conv_0123"}, "conversation"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
@@ -329,3 +329,80 @@ def test_unknown_and_unstored_responses_are_404(endpoints: Endpoints) -> None:
     client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
+
+
+def test_a_conversation_chained_by_previous_response_id_is_the_conversation_sent_whole(
+    endpoints: Endpoints,
+) -> None:
+    client = openai_client(endpoints)
+    turns = [
+        "Queues decouple the services that write requests from the ones that serve them. What else do "
+        "they give a serving system?",
+        "And what do partitions add?",
+        "Which of these matters most?",
+    ]
+    previous: str | None = None
+    whole: list[Any] = []
+    responses = []
+    for n, text in enumerate(turns):
+        chained = client.responses.create(
+            model="sluice-sim", input=text, instructions="Be brief.", max_output_tokens=400,
+            previous_response_id=previous,
+        )  # fmt: skip
+        whole.append({"role": "user", "content": text})
+        sent_whole = client.responses.create(
+            model="sluice-sim", input=whole, instructions="Be brief.", max_output_tokens=400, store=False
+        )
+        assert chained.status == "completed"
+        assert chained.output_text == sent_whole.output_text, f"turn {n + 1}"
+        assert chained.previous_response_id == previous
+        assert chained.completed_at is not None
+        assert chained.completed_at >= chained.created_at
+        assert chained.usage is not None
+        assert sent_whole.usage is not None
+        assert chained.usage.input_tokens == sent_whole.usage.input_tokens
+        if n:
+            assert chained.usage.input_tokens_details.cached_tokens > 0, f"turn {n + 1} reuses the prefix"
+        whole.append({"role": "assistant", "content": chained.output_text})
+        responses.append(chained)
+        previous = chained.id
+    assert client.responses.retrieve(responses[1].id).previous_response_id == responses[0].id
+
+    # The third turn's input items: the whole conversation before its answer, a page at a time.
+    items = list(client.responses.input_items.list(responses[2].id, limit=2, order="asc"))
+    assert [(i.type, getattr(i, "role", None)) for i in items] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "assistant"),
+        ("message", "user"),
+    ]  # fmt: skip
+    texts = [part.text for item in items for part in getattr(item, "content", [])]
+    assert texts == [whole[0]["content"], whole[1]["content"], whole[2]["content"], whole[3]["content"],
+                     whole[4]["content"]]  # fmt: skip
+    newest_first = client.responses.input_items.list(responses[2].id, limit=2)
+    assert [i.id for i in newest_first.data] == [items[4].id, items[3].id]
+    assert newest_first.has_more
+
+    # Another team sees none of it.
+    other = openai_client(endpoints, team_key(endpoints, "chain-outsider"))
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(responses[2].id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.input_items.list(responses[2].id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="sluice-sim", input="and?", previous_response_id=responses[2].id)
+
+
+def test_a_response_still_running_cannot_be_continued(endpoints: Endpoints) -> None:
+    client = openai_client(endpoints)
+    running = client.responses.create(
+        model="sluice-sim", input="a long background answer", background=True, max_output_tokens=400
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="sluice-sim", input="and?", previous_response_id=running.id)
+    assert "still" in str(err.value)
+    until(lambda: client.responses.retrieve(running.id).status == "completed", 30, "the first to end")
+    after = client.responses.create(
+        model="sluice-sim", input="and?", previous_response_id=running.id, max_output_tokens=50
+    )
+    assert after.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="sluice-sim", input="x", previous_response_id="resp_" + "0" * 32)

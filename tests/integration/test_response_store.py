@@ -40,7 +40,16 @@ class Store:
             request_id=rid, team="t", model="m", created_at=now, deadline=now + 600, prompt_tokens=3,
             background=True,
         )  # fmt: skip
-        await self.store.save(record)
+        items = [
+            {
+                "id": "msg_1",
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "hi"}],
+            }
+        ]
+        await self.store.save(record, items)
+        assert await self.store.input_items(rid) == items
         return record
 
     async def start(self, rid: str) -> tuple[str, TokenChunk]:

@@ -13,7 +13,12 @@ from ingress.responses.api import (
     ResponsesRequest,
     as_chat,
     check_served,
+    output_as_input,
+    page_of,
+    parse_items,
     parse_response_id,
+    request_items,
+    stored_items,
 )
 from ingress.responses.events import (
     ResponseEvents,
@@ -234,3 +239,75 @@ def test_a_stored_responses_log_lives_as_long_as_its_record() -> None:
     assert log_ttl_ms(deadline=700.0, now=100.0, terminal=False, keep_s=3600) == (600 + 3600) * 1000
     assert log_ttl_ms(deadline=700.0, now=650.0, terminal=True, keep_s=3600) == (50 + 3600) * 1000
     assert log_ttl_ms(deadline=700.0, now=650.0, terminal=True) == LOG_AFTER_END_MS
+
+
+def test_a_chained_turn_is_the_previous_input_and_output_then_its_own() -> None:
+    first = ResponsesRequest(model="m", input="What is a queue?", instructions="Be brief.")
+    stored = stored_items(request_items(first))
+    assert stored[0]["content"] == [{"type": "input_text", "text": "What is a queue?"}]
+    assert stored[0]["id"].startswith("msg_")
+    assert stored[0]["status"] == "completed"
+    events = replayed(record(), tokens("A line ", "of work."))
+    assert events.completed_at is None, "the final chunk said nothing of when it ended"
+    answer = output_as_input(events.output)
+    assert [item["role"] for item in answer] == ["assistant"]
+    second = ResponsesRequest(model="m", input="And a topic?", instructions="Answer in French.")
+    items = stored + answer + stored_items(request_items(second))
+    chat = as_chat(second.model_copy(update={"input": parse_items(items)}))
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Answer in French."),  # this turn's instructions only: the first's are not carried
+        ("user", "What is a queue?"),
+        ("assistant", "A line of work."),
+        ("user", "And a topic?"),
+    ]
+
+
+def test_a_function_call_of_the_previous_turn_is_input_for_the_next() -> None:
+    output = [{"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "c1", "name": "f",
+               "arguments": "{}"}]  # fmt: skip
+    reply = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    items = output_as_input(output) + stored_items(parse_items([reply]))
+    chat = as_chat(ResponsesRequest(model="m", input=parse_items(items)))
+    assert chat.messages[0].tool_calls is not None
+    assert chat.messages[0].tool_calls[0].id == "c1"
+    assert (chat.messages[1].role, chat.messages[1].tool_call_id, chat.messages[1].content) == (
+        "tool",
+        "c1",
+        "42",
+    )
+
+
+def test_input_items_are_paged_as_openai_lists_them() -> None:
+    items = [{"id": f"msg_{i}"} for i in range(5)]
+    first = page_of(items, 2, "desc", None)
+    assert first is not None
+    assert [d["id"] for d in first["data"]] == ["msg_4", "msg_3"]
+    assert (first["first_id"], first["last_id"], first["has_more"]) == ("msg_4", "msg_3", True)
+    rest = page_of(items, 10, "desc", first["last_id"])
+    assert rest is not None
+    assert [d["id"] for d in rest["data"]] == ["msg_2", "msg_1", "msg_0"]
+    assert rest["has_more"] is False
+    ascending = page_of(items, 5, "asc", None)
+    assert ascending is not None
+    assert [d["id"] for d in ascending["data"]] == [f"msg_{i}" for i in range(5)]
+    assert ascending["has_more"] is False
+    assert page_of(items, 2, "asc", "msg_9") is None
+    assert page_of([], 2, "asc", None) == {
+        "object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False,
+    }  # fmt: skip
+
+
+def test_a_completed_response_reports_when_it_ended() -> None:
+    chunks = tokens("Done.")
+    final = chunks[-1]
+    assert isinstance(final, FinalChunk)
+    events = replayed(
+        record(echo={"previous_response_id": "resp_x"}), [final.model_copy(update={"ended_at": 123.9})]
+    )
+    body = events.body()
+    assert body["completed_at"] == 123
+    assert body["previous_response_id"] == "resp_x"
+    cut = replayed(
+        record(), [final.model_copy(update={"ended_at": 5.0, "finish_reason": FinishReason.LENGTH})]
+    )
+    assert cut.body()["completed_at"] is None, "only a completed response has completed_at"
