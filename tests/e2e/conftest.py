@@ -75,6 +75,7 @@ FAST_STATE = {
     # Caps small enough for the hostile-neighbour test to reach (each test uses teams of its own).
     "SLUICE_FILES_PER_TEAM": "10",
     "SLUICE_BATCHES_PER_TEAM": "3",
+    "SLUICE_CORS_ORIGINS": '["*"]',  # the EventSource test's page is on another origin
 }
 
 

@@ -1,10 +1,11 @@
 """A browser's EventSource on a chat stream survives the ingress it is connected to.
 
-A stack with two ingresses behind a failover proxy (what a load balancer does: a new connection goes to
-the first ingress that answers). A page in headless Chromium starts a streamed chat with fetch, takes the
-stream's URL from the response header, and reads it with an EventSource. Once text shows, the ingress
-carrying the EventSource is killed: the browser reconnects by itself with Last-Event-ID, the proxy sends
-it to the other ingress, and the page's text completes, each event once. Screenshot under test-artifacts/.
+The end-to-end stack's two ingresses behind a failover proxy (what a load balancer does: a new
+connection goes to the first ingress that answers). A page in headless Chromium starts a streamed chat
+with fetch, takes the stream's URL from the response header, and reads it with an EventSource. Once text
+shows, the ingress carrying the EventSource is killed: the browser reconnects by itself with
+Last-Event-ID, the proxy sends it to the other ingress, and the page's text completes, each event once.
+The killed ingress is started again for the tests after. Screenshot under test-artifacts/.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,17 +30,6 @@ from tests.waiting import until
 pytestmark = pytest.mark.timeout(240)
 
 ARTIFACTS = Path(os.environ.get("SLUICE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
-POOLS = """
-[[pools]]
-name = "slow"
-model = "sluice-slow"
-default_max_tokens = 150
-[pools.simulated]
-ttft_ms = 100
-token_ms = 40
-min_words = 40
-max_words = 40
-"""
 BODY = {"model": "sluice-slow", "stream": True, "max_tokens": 150,
         "messages": [{"role": "user", "content": "tell me a long story"}]}  # fmt: skip
 
@@ -123,22 +112,10 @@ class FailoverProxy:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DevStack, Endpoints]]:
-    workdir = tmp_path_factory.mktemp("resume-browser")
-    config = workdir / "pools.toml"
-    config.write_text(POOLS)
-    dev = DevStack(workdir, config_path=config, ingresses=2, extra_env={"SLUICE_CORS_ORIGINS": '["*"]'})
-    try:
-        yield dev, dev.start()
-    finally:
-        dev.stop()
-
-
 def test_an_event_source_completes_through_the_other_ingress(
-    stack: tuple[DevStack, Endpoints], browser: webdriver.Chrome, tmp_path: Path
+    dev_stack: tuple[DevStack, Endpoints], browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    dev, endpoints = stack
+    dev, endpoints = dev_stack
     ports = [int(url.rsplit(":", 1)[1]) for url in dev.ingress_urls]
     site = tmp_path / "site"
     site.mkdir()
@@ -159,8 +136,12 @@ def test_an_event_source_completes_through_the_other_ingress(
             until(lambda: len(shown()) > 20, 30, "text from the first ingress")
             before = shown()
             dev.halt("ingress")  # the first ingress, which carries the EventSource
-            until(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-done") == "1", 60,
-                  "the page's text completed through the other ingress")  # fmt: skip
+            try:
+                until(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-done") == "1", 60,
+                      "the page's text completed through the other ingress")  # fmt: skip
+            finally:  # the stack is shared with the other end-to-end tests: its first ingress comes back
+                dev.resume("ingress")
+                until(lambda: healthy(dev.ingress_urls[0]), 120, "the first ingress back")
             text = shown()
             body = browser.find_element(By.TAG_NAME, "body")
             ids = json.loads(str(body.get_attribute("data-ids")))
@@ -176,3 +157,10 @@ def test_an_event_source_completes_through_the_other_ingress(
     whole = httpx.post(dev.ingress_urls[1] + "/v1/chat/completions", json={**BODY, "stream": False},
                        headers=headers, timeout=60).json()  # fmt: skip
     assert text == whole["choices"][0]["message"]["content"], "the same text as an uninterrupted run"
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
