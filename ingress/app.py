@@ -127,7 +127,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["authorization", "content-type", "last-event-id"],
+            allow_headers=["*"],  # no credentials are allowed, so any request header may be
             expose_headers=[STREAM_HEADER],
         )
     app.include_router(router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from ingress.auth import Authenticator
 from ingress.batches.object_store import ObjectStore
 from ingress.pool_gate import PoolGate
 from ingress.responses.store import ResponseStore
-from ingress.resume import StreamStore
+from ingress.resume import StreamStore, cancel_after_grace
 from ingress.settings import IngressSettings
 from ingress.streams import StreamHub
 from ingress.tracing import before_send
@@ -30,7 +31,7 @@ from plumbing import tracing
 from plumbing.health import Liveness
 from plumbing.protocol.request import cancel
 from plumbing.quota import settle
-from plumbing.replay import read_log
+from plumbing.replay import LOG_AFTER_END_MS, read_log
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import InferenceRequest, StreamEvent
@@ -86,26 +87,47 @@ class IngressContext:
     def streams(self) -> StreamStore:
         return StreamStore(self.redis, self.settings.names)
 
-    def leave(self, request_id: str, pool: str, reader: int) -> None:
-        """A stream's reader (number `reader`, ingress.resume) went away before the end: the request is
-        cancelled after its pool's grace period unless another reader has come back by then."""
+    def leave(self, request_id: str, pool: str) -> None:
+        """A stream's reader went away before the end: the request is cancelled after its pool's grace
+        period if no reader is connected then and none came back meanwhile (ingress.resume)."""
         config = next((p for p in self.pools.pools if p.name == pool), None)
         grace = 0.0 if config is None else config.resume_grace_s
         if grace <= 0:
             self.cancel_soon(request_id, "client disconnected")
             return
-        task = asyncio.create_task(self._cancel_unless_back(request_id, reader, grace))
+        task = asyncio.create_task(self._cancel_unless_back(request_id, grace))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _cancel_unless_back(self, request_id: str, reader: int, grace_s: float) -> None:
-        await asyncio.sleep(grace_s)
+    async def _cancel_unless_back(self, request_id: str, grace_s: float) -> None:
+        epoch = None
         try:
-            if await self.streams.readers(request_id) != reader:
-                return  # someone came back for it
+            epoch = await self.streams.leave(request_id)
         except RedisError as exc:
-            log.warning("stream readers not read; cancelling", request_id=request_id, error=str(exc))
+            log.warning("stream reader not counted out", request_id=request_id, error=str(exc))
+        await asyncio.sleep(grace_s)
+        if epoch is not None:
+            try:
+                live, now = await self.streams.readers(request_id)
+            except RedisError as exc:
+                log.warning("stream readers not read; cancelling", request_id=request_id, error=str(exc))
+            else:
+                if not cancel_after_grace(live, now, epoch):
+                    return  # a reader is connected, or came back and left again (its own timer runs)
         await self._cancel(request_id, f"client disconnected and did not come back in {grace_s:g} s")
+        with contextlib.suppress(RedisError):
+            await self.streams.ended(request_id, LOG_AFTER_END_MS)
+
+    def stream_ended(self, request_id: str) -> None:
+        """A stream was read to its end: its record goes when its log does (detached, best effort)."""
+
+        async def shorten() -> None:
+            with contextlib.suppress(RedisError):
+                await self.streams.ended(request_id, LOG_AFTER_END_MS)
+
+        task = asyncio.create_task(shorten())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Tell dispatchers and workers to drop the request; detached, so a dying handler still sends it."""

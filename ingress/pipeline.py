@@ -53,10 +53,10 @@ from openai_api.structured import (
     xgrammar_check,
 )
 from openai_api.tokenizer import encode_off_loop
-from plumbing.replay import log_ttl_ms
+from plumbing.replay import is_terminal, log_ttl_ms
 from queue_schemas.boundary import InputRefused, load_untrusted
 from queue_schemas.config import PoolConfig
-from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, Tier, TokenChunk
+from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, StreamEvent, Tier, TokenChunk
 
 log = structlog.get_logger("sluice.ingress")
 
@@ -228,7 +228,14 @@ async def serve(
         ttl = log_ttl_ms(inference.deadline, time.time(), False, inference.keep_log_s)
         saving = asyncio.create_task(ctx.streams.save(record, ttl))
         headers = {**headers, STREAM_HEADER: record.path()}
-    sub = await queue(ctx, inference)
+    try:
+        sub = await queue(ctx, inference)
+    except BaseException:
+        if saving is not None:  # never queued: nothing will answer it, so it cannot be read again
+            saving.cancel()
+            with contextlib.suppress(BaseException):
+                await saving
+        raise
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     shape = ResponseShape(kind, f"{prefix}-{inference.request_id}", int(inference.created_at), model)
     ACTIVE_STREAMS.labels(pool.name).inc()
@@ -314,23 +321,38 @@ async def read_again(
         allowed = record is not None and record.team == caller.team
     if record is None or not allowed or record.kind != kind:
         raise missing
+    shape = ResponseShape(kind, record.completion_id, record.created, record.model)
     try:
-        ttl = log_ttl_ms(record.deadline, time.time(), False, 0)
-        reader = await ctx.streams.attach(rid, ttl)
+        logged = await ctx.read_log(rid, 0)
+    except RedisError as exc:
+        raise ServiceUnavailable("Streams cannot be read now; retry shortly.") from exc
+    if logged and is_terminal(logged[-1]) and seen >= events_made(shape, record, logged) - 1:
+        return Response(status_code=204)  # it has ended and the client has it all: an EventSource stops
+    try:
+        await ctx.streams.attach(rid)
+    except RedisError as exc:
+        raise ServiceUnavailable("Streams cannot be read now; retry shortly.") from exc
+    try:
         sub = await ctx.hub.subscribe(ctx.settings.names.stream_channel(rid))
-    except (RedisError, HubDisconnected) as exc:
+    except HubDisconnected as exc:
+        ctx.leave(rid, record.pool)  # counted in, never read: counted out as a reader that left
         raise ServiceUnavailable("Streams cannot be read now; retry shortly.") from exc
     sub.deliver(RESYNC)  # what the log holds first, then the live stream
     ACTIVE_STREAMS.labels(record.pool).inc()
-    shape = ResponseShape(kind, record.completion_id, record.created, record.model)
     fmt = relay.SseFormatter(shape, record.include_usage, record.tool)
-    stream = sse_events(ctx, sub, record, fmt, after=seen, reader=reader)
+    stream = sse_events(ctx, sub, record, fmt, after=seen)
     return EventSourceResponse(
         stream,
         ping=ctx.settings.keepalive_s,
         headers={STREAM_HEADER: record.path()},
         ping_message_factory=Ping,
     )
+
+
+def events_made(shape: ResponseShape, record: StreamRecord, chunks: list[StreamEvent]) -> int:
+    """How many numbered events a stream of these chunks has. Pure."""
+    fmt = relay.SseFormatter(shape, record.include_usage, record.tool)
+    return len(fmt.opening()) + sum(len(fmt.format(chunk)) for chunk in chunks)
 
 
 async def queue(ctx: IngressContext, inference: InferenceRequest) -> Subscription:
@@ -357,11 +379,11 @@ async def sse_events(
     fmt: relay.SseFormatter,
     *,
     after: int = -1,
-    reader: int = 0,
 ) -> AsyncIterator[dict[str, Any]]:
     """SSE events for one request, each with its number as its id, those after `after` only (a client
     reading it again). If the client goes away first, the request is cancelled after its pool's grace
-    period unless a reader comes back (ingress.resume); `reader` is this one's number."""
+    period unless a reader comes back (ingress.resume). An error this ingress made itself has no id: a
+    client that reconnects reads the log, where it is not."""
     finished = False
     outcome = "cancelled"
     traced = tracing.Relay(inference.request_id, inference.pool)
@@ -383,6 +405,11 @@ async def sse_events(
                     INTER_TOKEN.labels(inference.pool).observe((now - last) / event.num_tokens)
             last = now
             payloads = fmt.format(event)
+            if isinstance(event, relay.LocalError):
+                outcome = "error"
+                for payload in payloads:
+                    yield {"data": payload}
+                continue  # the stream ends here; the request may still run, for a reader to come back
             for numbered_event in numbered(payloads, sent, after):
                 yield numbered_event
             sent += len(payloads)
@@ -393,8 +420,10 @@ async def sse_events(
     finally:
         traced.done(outcome, final)
         if not finished:
-            ctx.leave(inference.request_id, inference.pool, reader)
-        if reader == 0:  # a request counted once, by its first reading
+            ctx.leave(inference.request_id, inference.pool)
+        else:
+            ctx.stream_ended(inference.request_id)
+        if isinstance(inference, InferenceRequest):  # a request counted once, by its first reading
             REQUESTS.labels(inference.pool, outcome).inc()
         ACTIVE_STREAMS.labels(inference.pool).dec()
         await sub.close()

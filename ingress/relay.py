@@ -121,8 +121,13 @@ async def _catch_up(read_log: LogReader, request: Streamed, from_seq: int) -> li
         return []
 
 
+class LocalError(ErrorChunk):
+    """An error this ingress made itself (a deadline passed, the relay lost): no part of the request's log,
+    so a stream read again elsewhere does not have it."""
+
+
 def _error(request: Streamed, seq: int, code: str, message: str) -> ErrorChunk:
-    return ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
+    return LocalError(request_id=request.request_id, seq=seq, code=code, message=message)
 
 
 def _dump(body: dict[str, Any]) -> str:

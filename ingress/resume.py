@@ -12,9 +12,8 @@ a token for clients that cannot send an Authorization header (a browser's EventS
 with `?token=` reads that one stream. Otherwise the caller's key must be of the request's team; another
 team's stream is a 404, the same as one that does not exist.
 
-A dropped client's request is cancelled only after its pool's `resume_grace_s`, and only if no reader came
-back meanwhile: each reader that attaches increments the request's reader count, and a reader that leaves
-cancels the request at the end of the grace period if the count is still its own.
+A dropped client's request is cancelled only after its pool's `resume_grace_s`, and only if no reader is
+connected then and none came back meanwhile (`cancel_after_grace`).
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ def last_event_id(header: str | None, after: int | None) -> int | None:
     over `?after=`; -1 for none; None for a header that is no event id of ours. Pure."""
     if header is not None and header.strip():
         value = header.strip()
-        return int(value) if value.isdigit() and len(value) < 10 else None
+        return int(value) if value.isascii() and value.isdigit() and len(value) < 10 else None
     return -1 if after is None else after
 
 
@@ -108,31 +107,61 @@ def numbered(payloads: list[str], first: int, after: int) -> list[dict[str, Any]
     ]
 
 
+LIVE, EPOCH = "live", "epoch"
+
+
+def cancel_after_grace(live: int, epoch: int, epoch_at_leave: int) -> bool:
+    """Whether a request whose reader left is cancelled at the end of the grace period: no reader is
+    connected and none came back since. Pure."""
+    return live <= 0 and epoch == epoch_at_leave
+
+
 class StreamStore:
-    """Stream records and reader counts in Redis, both in the request's slot."""
+    """Stream records and their readers in Redis, in the request's slot. Readers: `live` counts those
+    connected (the request's own first reader included), `epoch` those that came back."""
 
     def __init__(self, redis: aioredis.Redis, names: Names) -> None:
         self._redis = redis
         self._names = names
 
     async def save(self, record: StreamRecord, ttl_ms: int) -> None:
-        await self._redis.set(
-            self._names.stream_record(record.request_id), record.model_dump_json(), px=ttl_ms
-        )
+        """The record, and its first reader (the request's own response) counted as connected."""
+        readers = self._names.stream_readers(record.request_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._names.stream_record(record.request_id), record.model_dump_json(), px=ttl_ms)
+            pipe.hset(readers, mapping={LIVE: 1, EPOCH: 0})
+            pipe.pexpire(readers, ttl_ms)
+            await pipe.execute()
 
     async def load(self, request_id: str) -> StreamRecord | None:
         raw = await self._redis.get(self._names.stream_record(request_id))
         return None if raw is None else StreamRecord.model_validate_json(raw)
 
-    async def attach(self, request_id: str, ttl_ms: int) -> int:
-        """Count a reader that came back; its number (the first reader, the original request, is 0)."""
+    async def attach(self, request_id: str) -> None:
+        """A reader came back."""
         key = self._names.stream_readers(request_id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incr(key)
-            pipe.pexpire(key, ttl_ms)
-            count, _ = await pipe.execute()
-        return int(count)
+            pipe.hincrby(key, LIVE, 1)
+            pipe.hincrby(key, EPOCH, 1)
+            await pipe.execute()
 
-    async def readers(self, request_id: str) -> int:
-        raw = await self._redis.get(self._names.stream_readers(request_id))
-        return 0 if raw is None else int(raw)
+    async def leave(self, request_id: str) -> int:
+        """A reader went away before the end: the epoch as it left."""
+        key = self._names.stream_readers(request_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, LIVE, -1)
+            pipe.hget(key, EPOCH)
+            _, epoch = await pipe.execute()
+        return int(epoch or 0)
+
+    async def readers(self, request_id: str) -> tuple[int, int]:
+        """(connected readers, readers that came back so far)."""
+        live, epoch = await self._redis.hmget(self._names.stream_readers(request_id), [LIVE, EPOCH])
+        return int(live or 0), int(epoch or 0)
+
+    async def ended(self, request_id: str, keep_ms: int) -> None:
+        """The request ended: its record goes when its log does."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.pexpire(self._names.stream_record(request_id), keep_ms)
+            pipe.pexpire(self._names.stream_readers(request_id), keep_ms)
+            await pipe.execute()

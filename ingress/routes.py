@@ -3,7 +3,7 @@ pipeline (ingress.pipeline)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import structlog
 from fastapi import APIRouter, Query, Request
@@ -70,6 +70,18 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
 
 
 @router.get("/v1/chat/completions/{completion_id}/stream")
+async def chat_stream(
+    completion_id: str,
+    request: Request,
+    ctx: Context,
+    after: Annotated[int | None, Query(ge=-1, lt=10**9)] = None,
+    token: Annotated[str | None, Query(max_length=64)] = None,
+) -> Response:
+    """A streamed chat completion read again, through any ingress: the events after `Last-Event-ID` (or
+    `after`), then the live ones (ingress.resume)."""
+    return await read_again(ctx, request, completion_id, "chat", after, token)
+
+
 @router.get("/v1/completions/{completion_id}/stream")
 async def completion_stream(
     completion_id: str,
@@ -78,10 +90,8 @@ async def completion_stream(
     after: Annotated[int | None, Query(ge=-1, lt=10**9)] = None,
     token: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
-    """A streamed chat or text completion read again, through any ingress: the events after
-    `Last-Event-ID` (or `after`), then the live ones (ingress.resume)."""
-    kind: Literal["chat", "text"] = "chat" if request.url.path.startswith("/v1/chat/") else "text"
-    return await read_again(ctx, request, completion_id, kind, after, token)
+    """A streamed text completion read again (as `chat_stream`)."""
+    return await read_again(ctx, request, completion_id, "text", after, token)
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))

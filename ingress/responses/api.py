@@ -149,6 +149,18 @@ def stored_items(items: list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
+def repeated_id(items: list[dict[str, Any]]) -> str | None:
+    """An item id the conversation holds twice (OpenAI refuses those), or None. Pure."""
+    seen: set[str] = set()
+    for item in items:
+        item_id = item.get("id")
+        if isinstance(item_id, str):
+            if item_id in seen:
+                return item_id
+            seen.add(item_id)
+    return None
+
+
 def parse_items(raw: Any) -> list[InputItem]:
     """Stored input items (or a response's output items) as input items again; ValueError if not."""
     return _ITEMS.validate_python(raw)

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 
@@ -42,6 +43,7 @@ from ingress.responses.api import (
     page_of,
     parse_items,
     parse_response_id,
+    repeated_id,
     request_items,
     stored_items,
 )
@@ -111,7 +113,16 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
         raise InvalidRequest("A background response must be stored: store cannot be false.", param="store")
     history = [] if body.previous_response_id is None else await before(ctx, team, body.previous_response_id)
     items = history + stored_items(request_items(body))
-    chat = as_chat(body.model_copy(update={"input": parse_items(items)}))
+    duplicate = repeated_id(items)
+    if duplicate is not None:
+        raise InvalidRequest(f"Duplicate item found with id '{duplicate}'.", param="input")
+    try:
+        chat = as_chat(body.model_copy(update={"input": parse_items(items)}))
+    except ValidationError as exc:  # an earlier turn's item that is no input item now
+        raise InvalidRequest(f"The conversation cannot be continued: {exc.errors()[0]['msg']}.",
+                             param="previous_response_id") from None  # fmt: skip
+    # The conversation's size, not the body's, says whether it is tokenized off the event loop.
+    size += len(orjson.dumps(history)) if history else 0
     pool, prompt_ids, plan = await prepare_chat(ctx, team, chat, size)
     keep_s = ctx.settings.responses_retain_s if body.store else 0
     admitted = await admit(ctx, team, pool, chat, prompt_ids, plan, keep_s)
@@ -224,16 +235,17 @@ async def before(ctx: IngressContext, team: Team, response_id: str) -> list[dict
     caller's team's stored responses only (another's is a 404); one still running is a 400."""
     param = "previous_response_id"
     try:
-        record, _ = await find(ctx, team, response_id)
+        found = await find(ctx, team, response_id)
     except NotFound:
         raise NotFound(
             f"No response found with id '{response_id}'.", param=param, code="previous_response_not_found"
         ) from None
+    record, cancelled = found
     events = await current(ctx, record)
-    if events.status in ("queued", "in_progress"):
+    status = shown_status(events, cancelled, time.time()) or events.status
+    if status in ("queued", "in_progress"):
         raise InvalidRequest(
-            f"Response '{response_id}' is still {events.status}; continue from it once it has ended.",
-            param=param,
+            f"Response '{response_id}' is still {status}; continue from it once it has ended.", param=param
         )
     try:
         items = await ctx.responses.input_items(record.request_id)

@@ -17,6 +17,7 @@ from ingress.responses.api import (
     page_of,
     parse_items,
     parse_response_id,
+    repeated_id,
     request_items,
     stored_items,
 )
@@ -311,3 +312,8 @@ def test_a_completed_response_reports_when_it_ended() -> None:
         record(), [final.model_copy(update={"ended_at": 5.0, "finish_reason": FinishReason.LENGTH})]
     )
     assert cut.body()["completed_at"] is None, "only a completed response has completed_at"
+
+
+def test_an_item_id_sent_twice_is_found() -> None:
+    assert repeated_id([{"id": "a"}, {"id": "b"}, {}]) is None
+    assert repeated_id([{"id": "a"}, {"id": "b"}, {"id": "a"}]) == "a"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ingress.resume import (
     RETRY_MS,
     StreamRecord,
+    cancel_after_grace,
     last_event_id,
     new_token,
     numbered,
@@ -35,7 +36,7 @@ def test_where_a_client_left_off() -> None:
     assert last_event_id("", 4) == 4
     assert last_event_id("7", None) == 7
     assert last_event_id(" 7 ", 2) == 7, "EventSource's own header wins over ?after="
-    for bad in ("-1", "seven", "1.5", "9" * 12):
+    for bad in ("-1", "seven", "1.5", "9" * 12, "\xb2", "\u0663"):
         assert last_event_id(bad, None) is None, bad
 
 
@@ -56,3 +57,13 @@ def test_the_stream_path_carries_its_token() -> None:
     assert not token_matches(chat, "k" * 42 + "j")
     assert len(new_token()) >= 32
     assert new_token() != new_token()
+
+
+def test_a_left_request_is_cancelled_only_with_no_reader_connected_or_come_back() -> None:
+    assert cancel_after_grace(live=0, epoch=0, epoch_at_leave=0), "the only reader left for good"
+    assert not cancel_after_grace(live=1, epoch=1, epoch_at_leave=0), "a reader came back and reads"
+    assert not cancel_after_grace(live=1, epoch=1, epoch_at_leave=1), "another reader is still connected"
+    assert not cancel_after_grace(live=0, epoch=2, epoch_at_leave=1), (
+        "one came back since (its own timer runs)"
+    )
+    assert cancel_after_grace(live=-1, epoch=0, epoch_at_leave=0), "a stream with no record counts below zero"
