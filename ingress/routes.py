@@ -3,7 +3,8 @@ pipeline (ingress.pipeline)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal
 
 import structlog
 from fastapi import APIRouter, Query, Request
@@ -69,29 +70,25 @@ async def chat_completions(request: Request, ctx: Context, team: Team) -> Respon
     return await serve(ctx, team, pool, body, prompt_ids, "chat", plan, slo)
 
 
-@router.get("/v1/chat/completions/{completion_id}/stream")
-async def chat_stream(
-    completion_id: str,
-    request: Request,
-    ctx: Context,
-    after: Annotated[int | None, Query(ge=-1, lt=10**9)] = None,
-    token: Annotated[str | None, Query(max_length=64)] = None,
-) -> Response:
-    """A streamed chat completion read again, through any ingress: the events after `Last-Event-ID` (or
-    `after`), then the live ones (ingress.resume)."""
-    return await read_again(ctx, request, completion_id, "chat", after, token)
+def stream_route(kind: Literal["chat", "text"]) -> Callable[..., Awaitable[Response]]:
+    """GET .../{id}/stream: a streamed completion read again, through any ingress: the events after
+    `Last-Event-ID` (or `after`), then the live ones (ingress.resume)."""
+
+    async def read(
+        completion_id: str,
+        request: Request,
+        ctx: Context,
+        after: Annotated[int | None, Query(ge=-1, lt=10**9)] = None,
+        token: Annotated[str | None, Query(max_length=64)] = None,
+    ) -> Response:
+        return await read_again(ctx, request, completion_id, kind, after, token)
+
+    read.__doc__ = stream_route.__doc__
+    return read
 
 
-@router.get("/v1/completions/{completion_id}/stream")
-async def completion_stream(
-    completion_id: str,
-    request: Request,
-    ctx: Context,
-    after: Annotated[int | None, Query(ge=-1, lt=10**9)] = None,
-    token: Annotated[str | None, Query(max_length=64)] = None,
-) -> Response:
-    """A streamed text completion read again (as `chat_stream`)."""
-    return await read_again(ctx, request, completion_id, "text", after, token)
+router.add_api_route("/v1/chat/completions/{completion_id}/stream", stream_route("chat"), methods=["GET"])
+router.add_api_route("/v1/completions/{completion_id}/stream", stream_route("text"), methods=["GET"])
 
 
 @router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
