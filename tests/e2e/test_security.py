@@ -147,8 +147,8 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
                 method, endpoints.url + path, headers={"Authorization": f"Bearer {key_b}"}, timeout=10
             )
             assert response.status_code in (404, 405), (method, path, response.status_code)
-    # The routes that do take an id are the files', batches' and responses' (unguessable ids, kept per
-    # team): each answers another team 404 for a file, a batch and a response of team A.
+    # The routes that do take an id are the files', batches', responses' and streams' (unguessable ids,
+    # kept per team): each answers another team 404 for a file, a batch, a response and a stream of A.
     client_a = openai_client(endpoints, key_a)
     body = {"model": "sluice-sim", "messages": [{"role": "user", "content": "later"}], "max_tokens": 2}
     line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": body}
@@ -159,7 +159,15 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
     stored = client_a.responses.create(
         model="sluice-slow", input="mine", background=True, max_output_tokens=5
     )
-    ids = {"file_id": upload.id, "batch_id": batch.id, "response_id": stored.id}
+    streamed = list(
+        client_a.chat.completions.create(
+            model="sluice-sim", messages=[{"role": "user", "content": "mine"}], stream=True, max_tokens=5
+        )
+    )
+    ids = {
+        "file_id": upload.id, "batch_id": batch.id, "response_id": stored.id,
+        "completion_id": streamed[0].id,
+    }  # fmt: skip
     paths = httpx.get(endpoints.url + "/openapi.json", timeout=10).json()["paths"]
     with_id = {(method.upper(), path) for path, ops in paths.items() if "{" in path for method in ops}
     assert with_id == {
@@ -171,6 +179,9 @@ def test_one_team_cannot_reach_another_teams_requests_or_pools(dev_stack: tuple[
         ("GET", "/v1/responses/{response_id}"),
         ("DELETE", "/v1/responses/{response_id}"),
         ("POST", "/v1/responses/{response_id}/cancel"),
+        ("GET", "/v1/responses/{response_id}/input_items"),
+        ("GET", "/v1/chat/completions/{completion_id}/stream"),
+        ("GET", "/v1/completions/{completion_id}/stream"),
     }
     for method, path in sorted(with_id):
         url = endpoints.url + path.format(**ids)
