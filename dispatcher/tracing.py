@@ -32,7 +32,7 @@ def received(
             tracing.new_trace(),
             produced or now,
             now,
-            {**attributes(request), **_consumer},
+            {**tracing.request_attributes(request), **_consumer},
             SpanKind.CONSUMER,
         )
         traceparent, produced = tracing.traceparent_of(span), None
@@ -44,17 +44,6 @@ def received(
 _consumer = {"messaging.system": "kafka", "messaging.operation.type": "receive"}
 
 
-def attributes(request: InferenceRequest) -> dict[str, Any]:
-    return {
-        tracing.REQUEST_ID: request.request_id,
-        tracing.TEAM: request.team,
-        tracing.POOL: request.pool,
-        tracing.MODEL: request.adapter or request.model,
-        tracing.PRIORITY: request.priority.value,
-        tracing.PROMPT_TOKENS: len(request.prompt_token_ids),
-    }
-
-
 def placing(held: Held, decision: Decision, block_size: int, started: float) -> Span | None:
     """The spans of the request's way here, and the placement's span, started at `started` (epoch
     seconds); `held.request` then carries the placement's span for the worker."""
@@ -62,7 +51,7 @@ def placing(held: Held, decision: Decision, block_size: int, started: float) -> 
         return None
     request = held.request
     parent = tracing.parent(held.traceparent)
-    attrs = attributes(request)
+    attrs = tracing.request_attributes(request)
     now = time.time()
     arrived = now - (time.monotonic() - held.arrived)
     # A placement tried again (the place script failed, or a moved request's log grew) records only the

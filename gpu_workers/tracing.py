@@ -31,13 +31,8 @@ class RequestSpans:
         if not tracing.ENABLED:
             return
         self._attributes: dict[str, Any] = {
-            tracing.REQUEST_ID: request.request_id,
-            tracing.TEAM: request.team,
-            tracing.POOL: request.pool,
-            tracing.MODEL: request.adapter or request.model,
+            **tracing.request_attributes(request),
             tracing.WORKER: worker_id,
-            tracing.PRIORITY: request.priority.value,
-            tracing.PROMPT_TOKENS: len(request.prompt_token_ids),
         }
         self._began = began
         self._kv_at: float | None = None

@@ -61,25 +61,13 @@ class TraceMiddleware:
             tracing.end(span, error=f"HTTP {code}" if code >= 500 else None)
 
 
-def request_attributes(request: InferenceRequest) -> dict[str, Any]:
-    return {
-        tracing.REQUEST_ID: request.request_id,
-        tracing.TEAM: request.team,
-        tracing.POOL: request.pool,
-        tracing.MODEL: request.adapter or request.model,
-        tracing.PRIORITY: request.priority.value,
-        "sluice.tier": request.tier.value,
-        tracing.PROMPT_TOKENS: len(request.prompt_token_ids),
-    }
-
-
 def before_send(request: InferenceRequest, topic: str) -> tuple[InferenceRequest, list[Any], Span | None]:
     """Admission ends here: its span (from the request's arrival) is recorded and the Kafka send's span
     starts. Returns the request carrying that span as its `traceparent`, the record headers, the span."""
     if not tracing.ENABLED:
         return request, [], None
     now = time.time()
-    attributes = request_attributes(request)
+    attributes = {**tracing.request_attributes(request), "sluice.tier": request.tier.value}
     server = _server_span.get()
     tracing.set_attributes(server, attributes)
     arrived = _arrived.get()

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from queue_schemas.messages import TRACEPARENT_PATTERN
+from queue_schemas.messages import TRACEPARENT_PATTERN, InferenceRequest
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 
@@ -63,6 +63,18 @@ SLOWEST_PER_MINUTE = 50  # the slowest requests kept of each minute, for the das
 _propagator = TraceContextTextMapPropagator()
 _tracer: trace.Tracer | None = None
 ENABLED = False
+
+
+def request_attributes(request: InferenceRequest) -> dict[str, Any]:
+    """The attributes every service's spans of a request carry, to filter on. Pure."""
+    return {
+        REQUEST_ID: request.request_id,
+        TEAM: request.team,
+        POOL: request.pool,
+        MODEL: request.adapter or request.model,
+        PRIORITY: request.priority.value,
+        PROMPT_TOKENS: len(request.prompt_token_ids),
+    }
 
 
 def otlp_configured(env: Mapping[str, str]) -> bool:
