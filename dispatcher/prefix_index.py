@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from queue_schemas.messages import KvEvent, KvEventKind, KvSnapshot
 
 
@@ -95,42 +98,125 @@ class ApproximateIndex:
 
 
 class BlockHolders:
-    """Which workers hold each block: finds every worker's prefix match in one walk down the prompt."""
+    """Which workers hold each block, as a bitmask over worker slots: every worker's prefix match is
+    one walk down the prompt with an integer AND per block.
+
+    A worker takes a slot when it first holds a block and gives it back when it holds none, so the
+    masks stay as wide as the number of workers holding something. `layout` changes whenever a slot is
+    taken or given back (a caller caching slot positions checks it)."""
 
     def __init__(self) -> None:
-        self._by_block: dict[str, set[str]] = {}
+        self._by_block: dict[str, int] = {}
+        self._slot: dict[str, int] = {}
+        self._ids: list[str | None] = []
+        self._held: list[int] = []  # blocks each slot holds
+        self._free: list[int] = []
+        self.layout = 0
+
+    def slot(self, worker_id: str) -> int | None:
+        return self._slot.get(worker_id)
+
+    @property
+    def width(self) -> int:
+        return len(self._ids)
 
     def add(self, worker_id: str, block_hashes: Collection[str]) -> None:
+        if not block_hashes:
+            return
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            slot = self._take(worker_id)
+        bit = 1 << slot
+        by_block = self._by_block
+        added = 0
         for h in block_hashes:
-            self._by_block.setdefault(h, set()).add(worker_id)
+            mask = by_block.get(h, 0)
+            if not mask & bit:
+                by_block[h] = mask | bit
+                added += 1
+        self._held[slot] += added
+        if not self._held[slot]:
+            self._give_back(worker_id, slot)
 
     def remove(self, worker_id: str, block_hashes: Collection[str]) -> None:
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            return
+        bit = 1 << slot
+        by_block = self._by_block
+        removed = 0
         for h in block_hashes:
-            holders = self._by_block.get(h)
-            if holders is not None:
-                holders.discard(worker_id)
-                if not holders:
-                    del self._by_block[h]
+            mask = by_block.get(h, 0)
+            if mask & bit:
+                mask ^= bit
+                removed += 1
+                if mask:
+                    by_block[h] = mask
+                else:
+                    del by_block[h]
+        self._held[slot] -= removed
+        if not self._held[slot]:
+            self._give_back(worker_id, slot)
+
+    def _take(self, worker_id: str) -> int:
+        if self._free:
+            slot = self._free.pop()
+            self._ids[slot] = worker_id
+        else:
+            slot = len(self._ids)
+            self._ids.append(worker_id)
+            self._held.append(0)
+        self._slot[worker_id] = slot
+        self.layout += 1
+        return slot
+
+    def _give_back(self, worker_id: str, slot: int) -> None:
+        del self._slot[worker_id]
+        self._ids[slot] = None
+        self._free.append(slot)
+        self.layout += 1
+
+    def depth_groups(self, block_hashes: Sequence[str]) -> list[tuple[int, int]]:
+        """(mask of slots, leading blocks held) for each depth at which some workers' match ends; the
+        masks are disjoint, and slots in none hold no leading block."""
+        by_block = self._by_block
+        groups: list[tuple[int, int]] = []
+        alive = 0
+        depth = 0
+        for h in block_hashes:
+            mask = by_block.get(h, 0)
+            if depth == 0:
+                alive = mask
+            else:
+                survivors = alive & mask
+                if survivors != alive:  # someone drops out here (the common case is nobody)
+                    groups.append((alive ^ survivors, depth))
+                    alive = survivors
+            if not alive:
+                break
+            depth += 1
+        if alive:
+            groups.append((alive, depth))
+        return groups
+
+    def depths(self, block_hashes: Sequence[str]) -> npt.NDArray[np.float64]:
+        """Leading blocks of the prompt held, by slot (`width` of them)."""
+        width = len(self._ids)
+        out = np.zeros(width)
+        nbytes = (width + 7) // 8
+        for mask, depth in self.depth_groups(block_hashes):
+            bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), np.uint8), bitorder="little")
+            out[bits[:width].astype(bool)] = depth
+        return out
 
     def matched(self, block_hashes: Sequence[str]) -> dict[str, int]:
         """Leading blocks of the prompt each worker holds (workers holding none are left out)."""
         out: dict[str, int] = {}
-        alive: set[str] = set()
-        depth = 0
-        for h in block_hashes:
-            holders = self._by_block.get(h)
-            if not holders:
-                break
-            if depth == 0:
-                alive = set(holders)
-            elif not alive <= holders:  # someone drops out here (the common case is nobody)
-                survivors = alive & holders
-                for worker_id in alive - survivors:
+        for mask, depth in self.depth_groups(block_hashes):
+            while mask:
+                low = mask & -mask
+                worker_id = self._ids[low.bit_length() - 1]
+                if worker_id is not None:
                     out[worker_id] = depth
-                alive = survivors
-                if not alive:
-                    break
-            depth += 1
-        for worker_id in alive:
-            out[worker_id] = depth
+                mask ^= low
         return out

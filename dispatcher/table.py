@@ -61,6 +61,7 @@ class WorkerTable:
         self.latency = latency or LatencyDefaults()
         self.ids: list[str] = []
         self.row: dict[str, int] = {}
+        self.layout = 0  # changes whenever a row is added, removed or moved
         self._cols: dict[str, Floats] = {c: np.zeros(capacity) for c in COLUMNS}
 
     def __len__(self) -> int:
@@ -77,6 +78,7 @@ class WorkerTable:
                 self._cols = {c: np.concatenate([a, np.zeros(len(a))]) for c, a in self._cols.items()}
             self.ids.append(hb.worker_id)
             self.row[hb.worker_id] = i
+            self.layout += 1
         values = {
             "fresh_until": hb.sent_at + hb.ttl_ms / 1000,
             "ready": 1.0 if hb.state is WorkerState.READY else 0.0,
@@ -122,6 +124,7 @@ class WorkerTable:
         i = self.row.pop(worker_id, None)
         if i is None:
             return
+        self.layout += 1
         last = len(self.ids) - 1
         if i != last:  # move the last row into the hole
             moved = self.ids[last]

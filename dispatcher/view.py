@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import redis.asyncio as aioredis
 import structlog
 
@@ -44,6 +45,7 @@ class WorkerView:
         self.holders = BlockHolders()
         self.table = WorkerTable(latency=latency)
         self._imprecise_cache: list[str] | None = None
+        self._slots_cache: tuple[tuple[int, int], npt.NDArray[np.intp]] | None = None
 
     # heartbeats
     async def refresh(self) -> list[str]:
@@ -157,20 +159,29 @@ class WorkerView:
 
     def matched_column(self, block_hashes: Sequence[str]) -> Floats:
         """Each table row's prefix match: precise indexes in one walk, approximate ones per worker."""
-        column = np.zeros(len(self.table))
         if not block_hashes:
-            return column
+            return np.zeros(len(self.table))
+        # One zero past the holders' slots stands for rows whose worker holds nothing.
+        depths = np.append(self.holders.depths(block_hashes), 0.0)
+        column = depths[self._slot_of_rows()]
         rows = self.table.row
-        for worker_id, depth in self.holders.matched(block_hashes).items():
-            row = rows.get(worker_id)
-            if row is not None:
-                column[row] = depth
         for worker_id in self._imprecise():
             approx = self.approximate.get(worker_id)
             row = rows.get(worker_id)
             if approx is not None and row is not None:
                 column[row] = approx.matched(block_hashes)
         return column
+
+    def _slot_of_rows(self) -> npt.NDArray[np.intp]:
+        """Each table row's slot in the block holders (their width for a worker holding nothing), kept
+        until a row or a slot moves."""
+        key = (self.table.layout, self.holders.layout)
+        if self._slots_cache is None or self._slots_cache[0] != key:
+            width = self.holders.width
+            slots = [self.holders.slot(worker_id) for worker_id in self.table.ids]
+            index = np.array([width if s is None else s for s in slots], dtype=np.intp)
+            self._slots_cache = (key, index)
+        return self._slots_cache[1]
 
     def _imprecise(self) -> list[str]:
         """Workers without a usable precise index (recomputed only after heartbeats or index changes)."""

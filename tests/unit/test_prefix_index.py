@@ -1,7 +1,13 @@
+import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dispatcher.prefix_index import ApproximateIndex, BlockHolders, PreciseIndex, leading_matches
+from dispatcher.view import WorkerView
 from gpu_workers.kv_publisher import KvMirror
 from gpu_workers.prefix_cache import PrefixCache
-from queue_schemas.messages import KvEvent, KvEventKind, KvSnapshot
+from queue_schemas.messages import Heartbeat, KvEvent, KvEventKind, KvSnapshot, WorkerState
+from queue_schemas.names import Names
 
 
 def event(seq: int, kind: KvEventKind, *hashes: str) -> KvEvent:
@@ -105,3 +111,64 @@ def test_precise_index_keeps_block_holders_in_step() -> None:
     assert holders.matched(["a", "c"]) == {"w": 2}
     index.drop()
     assert holders.matched(["a"]) == {}
+
+
+def test_slots_are_given_back_and_reused() -> None:
+    holders = BlockHolders()
+    holders.add("a", ["x", "y"])
+    holders.add("b", ["x"])
+    holders.remove("a", ["x", "y"])
+    assert holders.slot("a") is None, "a worker holding nothing keeps no slot"
+    holders.add("c", ["x", "z"])
+    assert holders.width == 2, "the freed slot is taken by the next worker"
+    assert holders.matched(["x", "z"]) == {"b": 1, "c": 2}
+    depths = holders.depths(["x", "z"])
+    assert [depths[holders.slot(w) or 0] for w in ("b", "c")] == [1.0, 2.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["join", "leave", "store", "evict"]), st.integers(0, 9), st.integers(0, 11)
+        ),
+        max_size=60,
+    )
+)
+def test_the_views_matched_column_is_each_workers_own_match(steps: list[tuple[str, int, int]]) -> None:
+    """Workers join and leave the table (rows move), store and evict blocks (slots are taken and given
+    back): each row's matched figure stays that worker's own prefix match."""
+    view = WorkerView(aioredis.Redis(), Names(), "p")
+    chain = [f"b{i}" for i in range(12)]
+    seqs: dict[str, int] = {}
+    for op, w, cut in steps:
+        wid = f"w{w}"
+        if op == "join":
+            view.on_heartbeat(_heartbeat(wid))
+            if wid not in view.precise:
+                view.precise[wid] = PreciseIndex(wid, view.holders)
+                view.precise[wid].apply(event(1, KvEventKind.CLEARED))
+                seqs[wid] = 1
+        elif op == "leave":
+            view.forget(wid)
+            seqs.pop(wid, None)
+        elif wid in view.precise:
+            seqs[wid] += 1
+            kind = KvEventKind.STORED if op == "store" else KvEventKind.REMOVED
+            blocks = chain[:cut] if op == "store" else chain[cut:]
+            view.precise[wid].apply(event(seqs[wid], kind, *blocks))
+        view._imprecise_cache = None
+        for cut_at in (0, 3, 12):
+            prompt = chain[:cut_at]
+            column = view.matched_column(prompt)
+            assert len(column) == len(view.table)
+            for row, worker_id in enumerate(view.table.ids):
+                assert column[row] == view.matched(worker_id, prompt)
+
+
+def _heartbeat(worker_id: str) -> Heartbeat:
+    return Heartbeat(
+        worker_id=worker_id, pool="p", model="m", state=WorkerState.READY, seq=1, sent_at=1.0,
+        ttl_ms=3000, kv_blocks_total=100, kv_blocks_free=100, block_size=16, running=0, waiting=0,
+        inbox_pending=0, decode_tokens_per_s=0.0, started_at=0.0, kv_events=True,
+    )  # fmt: skip
