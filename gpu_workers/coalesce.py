@@ -1,13 +1,27 @@
 """Coalescing engine outputs into sequence-numbered chunks. Pure bookkeeping, no I/O.
 
 The first token goes out at once (time to first token matters most); later tokens are gathered for up
-to `flush_after_s` so a fast decoder does not cost one publish per token.
+to a window so a fast decoder does not cost one publish per token. The window widens with the streams
+open at the worker (`flush_window_s`): a worker decoding for many requests at once publishes fewer,
+larger chunks, so the bus's and the ingress's work per token falls as load rises, while a lightly
+loaded worker streams as smoothly as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpu_workers.engine import EngineOutput
 from queue_schemas.messages import FinalChunk, Resume, TokenChunk, Usage
+
+
+def flush_window_s(base_s: float, max_s: float, streams: int, knee: int) -> float:
+    """The coalescing window with `streams` open at the worker: `base_s` up to `knee` streams, then in
+    proportion to the streams, so the worker's chunks per second level off, up to `max_s` (a reader
+    sees text at least that often). Pure."""
+    if streams <= knee or knee <= 0:
+        return base_s
+    return max(base_s, min(max_s, base_s * streams / knee))
 
 
 class ChunkCoalescer:
@@ -15,11 +29,16 @@ class ChunkCoalescer:
     sequence numbers continue, and usage counts the client's prompt once and every output token."""
 
     def __init__(
-        self, request_id: str, worker_id: str, flush_after_s: float, resume: Resume | None = None
+        self,
+        request_id: str,
+        worker_id: str,
+        flush_after_s: float | Callable[[], float],
+        resume: Resume | None = None,
     ) -> None:
+        """`flush_after_s`: the window, or a function giving it now (the worker's load changes)."""
         self.request_id = request_id
         self.worker_id = worker_id
-        self.flush_after_s = flush_after_s
+        self._window = flush_after_s if callable(flush_after_s) else (lambda: flush_after_s)
         self.seq = 0 if resume is None else resume.next_seq
         self.completion_tokens = 0 if resume is None else resume.delivered_tokens
         self._prompt_tokens = None if resume is None else resume.prompt_tokens
@@ -58,7 +77,7 @@ class ChunkCoalescer:
             )
             self.seq += 1
             return final
-        if self._last_flush is not None and now - self._last_flush < self.flush_after_s:
+        if self._last_flush is not None and now - self._last_flush < self._window():
             return None
         self._last_flush = now
         chunk = TokenChunk(

@@ -11,7 +11,7 @@ from dataclasses import replace
 import structlog
 from redis.exceptions import RedisError
 
-from gpu_workers.coalesce import ChunkCoalescer
+from gpu_workers.coalesce import ChunkCoalescer, flush_window_s
 from gpu_workers.engine import EarlyStart, EngineError, RequestFailed
 from gpu_workers.handoff import KvTransfer
 from gpu_workers.metrics import TEAM_TOKENS
@@ -38,6 +38,13 @@ from queue_schemas.usage import UsageEvent, UsageStatus, usage_event
 
 
 class Serving(WorkerParts):
+    def _flush_window(self) -> float:
+        """The coalescing window now, with the streams this worker has open."""
+        s = self.settings
+        return flush_window_s(
+            s.flush_interval_ms / 1000, s.flush_max_ms / 1000, len(self._tasks), s.flush_knee_streams
+        )
+
     async def _serve(self, request: InferenceRequest, entry_id: bytes) -> None:
         """Run one request to its terminal chunk, settle the team's quota, then acknowledge the entry."""
         out = RequestOutput(
@@ -45,9 +52,8 @@ class Serving(WorkerParts):
             self.settings.bus_outage_s, self.settings.stream_publish,
         )  # fmt: skip
         coalescer = ChunkCoalescer(
-            request.request_id, self.settings.worker_id, self.settings.flush_interval_ms / 1000,
-            request.resume,
-        )  # fmt: skip
+            request.request_id, self.settings.worker_id, self._flush_window, request.resume
+        )
         started = False
         pieces: EarlyStart | None = None
         loaded: KvTransfer | None = None

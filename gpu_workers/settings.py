@@ -28,6 +28,12 @@ class WorkerSettings(BusSettings):
     )
     heartbeat_ttl_ms: int = Field(default=3_000, gt=0)
     flush_interval_ms: float = Field(default=15.0, ge=0, description="how long token deltas are coalesced")
+    flush_knee_streams: int = Field(
+        default=16, ge=0, description="streams open at the worker beyond which the window widens (0: never)"
+    )
+    flush_max_ms: float = Field(
+        default=100.0, ge=0, description="the widest the coalescing window gets under load"
+    )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="how long a draining worker finishes work")
     drain_grace_s: float = Field(
         default=1.0, ge=0, description="placements made before dispatchers saw `draining` arrive within this"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from typing import Any, Literal
+from typing import Literal
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,14 +97,24 @@ def last_event_id(header: str | None, after: int | None) -> int | None:
     return -1 if after is None else after
 
 
-def numbered(payloads: list[str], first: int, after: int) -> list[dict[str, Any]]:
-    """SSE events for `payloads`, numbered from `first`, those after `after` only; event 0 also tells an
-    EventSource how soon to come back after a drop. Pure."""
-    return [
-        {"id": str(n), "data": payload, **({"retry": RETRY_MS} if n == 0 else {})}
+def numbered(payloads: list[str], first: int, after: int) -> bytes:
+    """SSE frames for `payloads`, numbered from `first`, those after `after` only, as one write; event 0
+    also tells an EventSource how soon to come back after a drop. Pure."""
+    return b"".join(
+        sse_frame(payload, str(n), RETRY_MS if n == 0 else None)
         for n, payload in enumerate(payloads, start=first)
         if n > after
-    ]
+    )
+
+
+def sse_frame(payload: str, event_id: str | None = None, retry: int | None = None) -> bytes:
+    """One SSE event, byte for byte what sse-starlette writes for it (CRLF line ends), made without its
+    per-event encoder: payloads are one-line JSON or `[DONE]`. Pure."""
+    if "\n" in payload or "\r" in payload:  # never from the formatter; encoded the general way
+        return ServerSentEvent(payload, id=event_id, retry=retry).encode()
+    head = "" if event_id is None else f"id: {event_id}\r\n"
+    tail = "" if retry is None else f"retry: {retry}\r\n"
+    return f"{head}data: {payload}\r\n{tail}\r\n".encode()
 
 
 LIVE, EPOCH = "live", "epoch"

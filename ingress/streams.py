@@ -84,9 +84,17 @@ class Subscription:
         self.failed = True
         self._queue.put_nowait(exc)
 
+    def ready(self) -> bool:
+        """Whether a message (or the hub's failure) is waiting, so `next` returns without waiting."""
+        return not self._queue.empty()
+
     async def next(self, within_s: float) -> bytes:
         """The next message, or TimeoutError after `within_s` seconds, or the hub's failure."""
-        item = await asyncio.wait_for(self._queue.get(), within_s)
+        if self._queue.empty():
+            async with asyncio.timeout(within_s):
+                item = await self._queue.get()
+        else:
+            item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             raise item
         return item

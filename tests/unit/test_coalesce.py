@@ -1,4 +1,6 @@
-from gpu_workers.coalesce import ChunkCoalescer
+import pytest
+
+from gpu_workers.coalesce import ChunkCoalescer, flush_window_s
 from gpu_workers.engine import EngineOutput
 from queue_schemas.messages import FinalChunk, FinishReason, TokenChunk
 
@@ -34,3 +36,28 @@ def test_flush_hands_over_what_is_gathered_before_an_error() -> None:
     assert (pending.seq, pending.text, pending.num_tokens) == (1, "b", 1)
     assert c.seq == 2
     assert c.flush() is None
+
+
+def test_the_window_widens_with_the_streams_open_up_to_its_cap() -> None:
+    assert flush_window_s(0.015, 0.1, 1, 16) == 0.015
+    assert flush_window_s(0.015, 0.1, 16, 16) == 0.015, "up to the knee, as an idle worker"
+    assert flush_window_s(0.015, 0.1, 32, 16) == pytest.approx(0.03), "then in proportion to the streams"
+    assert flush_window_s(0.015, 0.1, 1000, 16) == 0.1, "never wider than the cap"
+    assert flush_window_s(0.015, 0.1, 1000, 0) == 0.015, "a knee of 0 keeps it fixed"
+    assert flush_window_s(0.2, 0.1, 1000, 16) == 0.2, "a cap below the base never narrows it"
+
+
+def test_a_window_that_widens_mid_stream_gathers_more() -> None:
+    window = [0.01]
+    c = ChunkCoalescer("r" * 16, "w", lambda: window[0])
+    assert c.add(out("a"), now=0.0) is not None, "the first token goes out at once"
+    assert c.add(out("b"), now=0.02) is not None
+    window[0] = 0.1
+    assert c.add(out("c"), now=0.04) is None, "held: the window is wider now"
+    chunk = c.add(out("d"), now=0.13)
+    assert chunk is not None
+    assert chunk.text == "cd"
+
+
+def out(text: str) -> EngineOutput:
+    return EngineOutput(text, 1, prompt_tokens=4)

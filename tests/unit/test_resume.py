@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+
 from ingress.resume import (
     RETRY_MS,
     StreamRecord,
@@ -10,6 +14,7 @@ from ingress.resume import (
     new_token,
     numbered,
     request_id_of,
+    sse_frame,
     token_matches,
 )
 
@@ -41,12 +46,24 @@ def test_where_a_client_left_off() -> None:
 
 
 def test_events_are_numbered_and_the_seen_ones_skipped() -> None:
-    assert numbered(["a", "b", "c"], 4, -1) == [
-        {"id": "4", "data": "a"}, {"id": "5", "data": "b"}, {"id": "6", "data": "c"},
-    ]  # fmt: skip
-    assert numbered(["a", "b", "c"], 4, 5) == [{"id": "6", "data": "c"}]
-    assert numbered(["a"], 0, -1) == [{"id": "0", "data": "a", "retry": RETRY_MS}], "the first sets retry"
-    assert numbered(["a"], 0, 9) == []
+    def encoded(*events: dict[str, Any]) -> bytes:
+        return b"".join(ServerSentEvent(**e).encode() for e in events)
+
+    assert numbered(["a", "b", "c"], 4, -1) == encoded(
+        {"id": "4", "data": "a"}, {"id": "5", "data": "b"}, {"id": "6", "data": "c"}
+    )
+    assert numbered(["a", "b", "c"], 4, 5) == encoded({"id": "6", "data": "c"})
+    assert numbered(["a"], 0, -1) == encoded({"id": "0", "data": "a", "retry": RETRY_MS}), (
+        "the first sets retry"
+    )
+    assert numbered(["a"], 0, 9) == b""
+
+
+def test_frames_are_what_sse_starlette_writes() -> None:
+    for payload in ('{"x":"d\u00e9j\u00e0 vu"}', "[DONE]", "", "two\nlines", "cr\rhere"):
+        assert sse_frame(payload) == ServerSentEvent(payload).encode()
+        assert sse_frame(payload, "12") == ServerSentEvent(payload, id="12").encode()
+        assert sse_frame(payload, "0", 3000) == ServerSentEvent(payload, id="0", retry=3000).encode()
 
 
 def test_the_stream_path_carries_its_token() -> None:
