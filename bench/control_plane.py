@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 
 from bench.live import dev_stack, stream_chat
 from infra.devstack import Endpoints
@@ -46,11 +47,14 @@ from ingress.streams import StreamHub, Subscription
 from plumbing.clients import node_client, redis_client
 from plumbing.protocol.request import CHUNK_SCRIPT, chunk_args
 from plumbing.publisher import PipelinedPublisher
-from queue_schemas.messages import TokenChunk
+from queue_schemas.codec import decode_stream_event
+from queue_schemas.messages import FinalChunk, TokenChunk
 from queue_schemas.settings import BusSettings
 
 CHUNK_TEXT = "word " * 4  # a coalesced chunk of a few tokens, as workers send under load
 HUB_WARMUP_S = 2.0
+REST_S = 5.0
+WRITER = "bench-worker"
 
 
 # bus
@@ -74,9 +78,13 @@ def _publish(
             start = time.monotonic()
             while time.monotonic() < stop:
                 for rid in mine:
-                    chunk = TokenChunk(request_id=rid, seq=seq, text=CHUNK_TEXT, num_tokens=4, token_ids=(1,))
+                    chunk = TokenChunk(
+                        request_id=rid, seq=seq, text=CHUNK_TEXT, num_tokens=4, token_ids=(1, 2, 3, 4)
+                    )
                     payload = chunk.model_dump_json().encode()
-                    keys, args = chunk_args(names, chunk, payload, "", 60_000, settings.stream_publish)
+                    # As a worker writes: fenced by its id, the log's expiry set by its first chunk.
+                    ttl = 60_000 if seq == 0 else None
+                    keys, args = chunk_args(names, chunk, payload, WRITER, ttl, settings.stream_publish)
                     await publisher.run(keys, args)
                     sent += 1
                 seq += 1
@@ -288,6 +296,7 @@ async def keep_streams(
                     done = await stream_chat(client, endpoints, body)
                     tally["answers"] += 1
                     tally["chunks"] += done.chunks
+                    tally["tokens"] += done.completion_tokens
                 except (RuntimeError, httpx.HTTPError):
                     tally["errors"] += 1
 
@@ -304,7 +313,7 @@ def measure_window(
 ) -> dict[str, float]:
     """Hold `streams` clients busy; over `seconds` after `warmup`: answers, chunks, errors, CPU seconds of
     each process in `pids`, and the ingress's resident memory at the end."""
-    tally = {"answers": 0, "chunks": 0, "errors": 0}
+    tally = {"answers": 0, "chunks": 0, "tokens": 0, "errors": 0}
     out: dict[str, float] = {}
 
     async def run() -> None:
@@ -320,10 +329,31 @@ def measure_window(
             out[f"{name}_cpu"] = proc_cpu_s(pid) - before[name]
         out.update({key: tally[key] - counts[key] for key in tally}, span=span)
         out["rss"] = proc_rss_mb(pids["ingress"])
+        out["log_bytes_per_token"] = await log_bytes_per_token(endpoints.redis_url)
         await load
 
     asyncio.run(run())
     return out
+
+
+async def log_bytes_per_token(url: str, sample: int = 200) -> float:
+    """Redis memory of replay logs (`MEMORY USAGE`) over the tokens they hold, over up to `sample` logs
+    of requests that have ended."""
+    redis = aioredis.Redis.from_url(url)
+    used = tokens = 0
+    try:
+        async for key in redis.scan_iter(match="*:replay:*", count=500):
+            chunks = [decode_stream_event(raw) for raw in await redis.hvals(key)]
+            if not any(isinstance(c, FinalChunk) for c in chunks):
+                continue
+            used += await redis.memory_usage(key) or 0
+            tokens += sum(c.num_tokens for c in chunks if isinstance(c, TokenChunk | FinalChunk))
+            sample -= 1
+            if not sample:
+                break
+    finally:
+        await redis.aclose()
+    return used / max(1, tokens)
 
 
 def relay(args: argparse.Namespace) -> None:
@@ -331,8 +361,12 @@ def relay(args: argparse.Namespace) -> None:
         pids = {
             "ingress": stack.process("ingress").popen.pid,
             "dispatcher": stack.process("dispatcher-fast").popen.pid,
+            "redis": stack.process("redis").popen.pid,
         }
         rest_rss = proc_rss_mb(pids["ingress"])
+        before, t0 = proc_cpu_s(pids["redis"]), time.monotonic()
+        time.sleep(REST_S)  # Redis's own work with nothing asked of it: heartbeats, loops polling
+        redis_rest = (proc_cpu_s(pids["redis"]) - before) / (time.monotonic() - t0)
         long = measure_window(endpoints, pids, args.streams, None, args.warmup, args.seconds)
         short = measure_window(endpoints, pids, args.short_clients, 1, args.warmup / 2, args.seconds)
     # Short answers: the ingress's cost per request (with its one or two chunks) and the dispatcher's
@@ -345,6 +379,17 @@ def relay(args: argparse.Namespace) -> None:
     span = long["span"]
     print(f"  chunks relayed {long['chunks'] / span:,.0f}/s, answers {long['answers'] / span:.1f}/s, "
           f"errors {long['errors']:.0f}; ingress {long['ingress_cpu'] / span:.2f} cores")  # fmt: skip
+    tokens = max(1, long["tokens"])
+    per_chunk_tokens = long["tokens"] / max(1, long["chunks"])
+    redis_work = max(0.0, long["redis_cpu"] - redis_rest * span)
+    print(f"  tokens {long['tokens'] / span:,.0f}/s ({per_chunk_tokens:.1f} a chunk); Redis "
+          f"{long['redis_cpu'] / span:.3f} cores ({redis_rest:.3f} at rest): "
+          f"{redis_work * 1e6 / tokens:.2f} CPU-us per token delivered beyond rest "
+          f"({long['redis_cpu'] * 1e6 / tokens:.2f} with it)")  # fmt: skip
+    print(f"  replay logs: {long['log_bytes_per_token']:.1f} B of Redis memory per token")
+    print(f"  per ingress core-second (all of its work, requests included): "
+          f"{long['chunks'] / max(1e-9, long['ingress_cpu']):,.0f} chunks, "
+          f"{long['tokens'] / max(1e-9, long['ingress_cpu']):,.0f} tokens")  # fmt: skip
     print(f"  ingress RSS {rest_rss:.1f} MB at rest, {long['rss']:.1f} MB with {args.streams} streams open: "
           f"{(long['rss'] - rest_rss) * 1024 / args.streams:.0f} KB per open stream")  # fmt: skip
     print(f"short answers (max_tokens 1): {args.short_clients} clients back to back, {short['span']:.0f} s")
