@@ -82,9 +82,8 @@ def _publish(
                         request_id=rid, seq=seq, text=CHUNK_TEXT, num_tokens=4, token_ids=(1, 2, 3, 4)
                     )
                     payload = chunk.model_dump_json().encode()
-                    # As a worker writes: fenced by its id, the log's expiry set by its first chunk.
-                    ttl = 60_000 if seq == 0 else None
-                    keys, args = chunk_args(names, chunk, payload, WRITER, ttl, settings.stream_publish)
+                    # As a worker writes: fenced by its id.
+                    keys, args = chunk_args(names, chunk, payload, WRITER, 60_000, settings.stream_publish)
                     await publisher.run(keys, args)
                     sent += 1
                 seq += 1

@@ -101,9 +101,10 @@ class BlockHolders:
     """Which workers hold each block, as a bitmask over worker slots: every worker's prefix match is
     one walk down the prompt with an integer AND per block.
 
-    A worker takes a slot when it first holds a block and gives it back when it holds none, so the
-    masks stay as wide as the number of workers holding something. `layout` changes whenever a slot is
-    taken or given back (a caller caching slot positions checks it)."""
+    A worker takes a slot when it first holds a block and gives it back when it holds none, for the
+    next worker to take: the masks are as wide as the most workers that have held blocks at once.
+    `layout` changes whenever a slot is taken or given back (a caller caching slot positions checks
+    it)."""
 
     def __init__(self) -> None:
         self._by_block: dict[str, int] = {}

@@ -249,8 +249,8 @@ class WorkerView:
     async def _resync(self, worker_id: str, index: PreciseIndex) -> None:
         """Load the worker's snapshot, then re-read the retained events after it."""
         raw = await self._redis.get(self._names.kv_snapshot(worker_id))
-        if raw is None:
-            return
+        if raw is None or self.precise.get(worker_id) is not index:
+            return  # none, or the worker was forgotten meanwhile: its blocks must not come back
         try:
             index.load(decode(KvSnapshot, raw))
         except SchemaError as exc:

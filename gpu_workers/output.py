@@ -15,7 +15,7 @@ from plumbing.answers import AnswerSink
 from plumbing.clients import with_backoff
 from plumbing.protocol.request import chunk_args
 from plumbing.publisher import PipelinedPublisher
-from plumbing.replay import expiry_to_set, is_terminal, log_ttl_ms
+from plumbing.replay import is_terminal, log_ttl_ms
 from plumbing.retry import doubling
 from queue_schemas.batch import BatchAnswer, failed_answer
 from queue_schemas.codec import encode
@@ -59,7 +59,6 @@ class RequestOutput:
         self._parts: list[str] = [] if request.resume is None else [request.resume.text]
         self.timing = Timing(began=time.time())  # for the request's usage event
         self.usage: Usage | None = None  # the final chunk's, once sent
-        self._log_until: float | None = None  # when the replay log expires, as this worker last set it
 
     async def emit(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
         """Log the chunk and stream it to the client's channel; for a batch request, gather it and
@@ -80,9 +79,7 @@ class RequestOutput:
             )
 
     async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
-        now = time.time()
-        wanted = log_ttl_ms(self.request.deadline, now, is_terminal(chunk), self.request.keep_log_s)
-        ttl = expiry_to_set(wanted, now, self._log_until)
+        ttl = log_ttl_ms(self.request.deadline, time.time(), is_terminal(chunk), self.request.keep_log_s)
         command = self._publish_command if publish else ""
         keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, command)
         give_up = time.monotonic() + self._outage_s
@@ -99,8 +96,6 @@ class RequestOutput:
                 await asyncio.sleep(delay)
         if not written:
             raise Moved(chunk.request_id)
-        if ttl is not None:
-            self._log_until = now + ttl / 1000
 
     def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:
         """The batch answer once `chunk` ends the request, else None."""

@@ -39,7 +39,7 @@ from queue_schemas.usage import UsageEvent, UsageStatus, usage_event
 
 class Serving(WorkerParts):
     def _flush_window(self) -> float:
-        """The coalescing window now, with the streams this worker has open."""
+        """The coalescing window now, with the requests this worker is running (its request tasks)."""
         s = self.settings
         return flush_window_s(
             s.flush_interval_ms / 1000, s.flush_max_ms / 1000, len(self._tasks), s.flush_knee_streams

@@ -29,7 +29,7 @@ class WorkerSettings(BusSettings):
     heartbeat_ttl_ms: int = Field(default=3_000, gt=0)
     flush_interval_ms: float = Field(default=15.0, ge=0, description="how long token deltas are coalesced")
     flush_knee_streams: int = Field(
-        default=16, ge=0, description="streams open at the worker beyond which the window widens (0: never)"
+        default=16, ge=0, description="requests running at the worker past which the window widens (0: never)"
     )
     flush_max_ms: float = Field(
         default=100.0, ge=0, description="the widest the coalescing window gets under load"

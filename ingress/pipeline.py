@@ -391,7 +391,7 @@ async def sse_events(
     traced = tracing.Relay(inference.request_id, inference.pool)
     final: FinalChunk | None = None
     sent = 0  # events made so far, sent or skipped
-    ready: list[bytes] = []  # frames made while more chunks wait: written together, in one send
+    ready: list[bytes] = []  # frames made since the last FLUSH: written together, in one send
     inter_token = INTER_TOKEN.labels(inference.pool)
     try:
         opening = fmt.opening()
@@ -399,7 +399,12 @@ async def sse_events(
             yield frames
         sent += len(opening)
         last = 0.0
-        async for event in relay.events(sub, inference, ctx.read_log):
+        async for event in relay.marked_events(sub, inference, ctx.read_log):
+            if isinstance(event, relay.Flush):  # nothing more at hand: what was made goes out now
+                if frames := b"".join(ready):
+                    yield frames
+                ready.clear()
+                continue
             traced.chunk()
             now = time.time()
             if isinstance(inference, InferenceRequest):  # its first reading, not a stream read again
@@ -419,11 +424,6 @@ async def sse_events(
                 finished = True
                 outcome = "ok" if isinstance(event, FinalChunk) else "error"
                 final = event if isinstance(event, FinalChunk) else None
-            elif sub.ready():
-                continue  # the next chunk is here already: its frames go out with these
-            if frames := b"".join(ready):
-                yield frames
-            ready.clear()
         if frames := b"".join(ready):
             yield frames
     finally:

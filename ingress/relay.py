@@ -49,24 +49,45 @@ class Streamed(Protocol):
 LogReader = Callable[[str, int], Awaitable[list[StreamEvent]]]
 
 
+class Flush:
+    """Marks where `marked_events` is about to wait: what was made from the events before it goes out."""
+
+
+FLUSH = Flush()
+
+
 async def events(
     sub: Subscription, request: Streamed, read_log: LogReader, *, quiet_disconnect: bool = False
 ) -> AsyncIterator[StreamEvent]:
     """Yield the request's chunks in order; always end with a FinalChunk or an ErrorChunk, except
     with `quiet_disconnect` when the stream relay is lost: then it just ends (the request runs on, and
     its reader can come back for the rest)."""
+    async for item in marked_events(sub, request, read_log, quiet_disconnect=quiet_disconnect):
+        if not isinstance(item, Flush):
+            yield item
+
+
+async def marked_events(
+    sub: Subscription, request: Streamed, read_log: LogReader, *, quiet_disconnect: bool = False
+) -> AsyncIterator[StreamEvent | Flush]:
+    """`events`, with FLUSH yielded each time nothing more is at hand: before waiting for the next
+    message, and before reading the log. A writer that sends at each FLUSH sends the events that came
+    together in one write, and never holds one back while it waits."""
     expected_seq = 0
     backlog: deque[StreamEvent] = deque()
     while True:
         if backlog:
             event = backlog.popleft()
         else:
+            if not sub.ready():
+                yield FLUSH
             remaining = request.deadline - time.time()
             try:
                 if remaining <= 0:
                     raise TimeoutError
                 item = await sub.next(remaining)
                 if item == RESYNC:  # the connection was lost and is back: catch up from the log
+                    yield FLUSH
                     backlog.extend(await _catch_up(read_log, request, expected_seq))
                     continue
                 event = decode_stream_event(item)
@@ -94,6 +115,7 @@ async def events(
         if event.seq < expected_seq:
             continue  # already relayed (seen live and again in the log)
         if event.seq > expected_seq:
+            yield FLUSH
             missed = await _catch_up(read_log, request, expected_seq)
             if not missed:
                 yield _error(

@@ -38,16 +38,6 @@ def log_ttl_ms(deadline: float, now: float, terminal: bool, keep_s: int = 0) -> 
     return max(MIN_LOG_TTL_MS, int((deadline - now) * 1000) + LOG_AFTER_END_MS)
 
 
-def expiry_to_set(ttl_ms: int, now: float, set_until: float | None) -> int | None:
-    """The ttl a log write sets, or None when the expiry this writer set last (`set_until`, epoch
-    seconds; None if it set none) already ends within a second of where this one would: a running
-    request's log ends a fixed time past its deadline, so only its first write, its last, and writes
-    near the deadline (where the floor moves it) need set it. Pure."""
-    if set_until is not None and abs(now + ttl_ms / 1000 - set_until) < 1.0:
-        return None
-    return ttl_ms
-
-
 def in_order(raw: dict[bytes, bytes], from_seq: int = 0) -> list[StreamEvent]:
     """The logged chunks from `from_seq` on, in order, up to the first one missing or unreadable; none
     after a terminal chunk."""

@@ -130,27 +130,25 @@ def begin_keys(names: Names, request_id: str) -> list[str]:
 
 
 # KEYS: placement record, replay log, stream channel (one request's slot). ARGV: writer's worker id (''
-# for a dispatcher, not fenced), seq, chunk, log ttl ms ('' to leave the log's expiry as it is), and the
-# publish command: PUBLISH, SPUBLISH (a Redis Cluster's sharded pub/sub) or '' to log without publishing
-# (a batch request's progress). Returns 1, or 0 when the request belongs to another worker now (nothing
-# is written).
+# for a dispatcher, not fenced), seq, chunk, log ttl ms, and the publish command: PUBLISH, SPUBLISH (a
+# Redis Cluster's sharded pub/sub) or '' to log without publishing (a batch request's progress).
+# Returns 1, or 0 when the request belongs to another worker now (nothing is written).
 CHUNK_SCRIPT = f"""
 if ARGV[1] ~= '' and {fenced_out_lua("KEYS[1]", "ARGV[1]")} then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-if ARGV[4] ~= '' then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
 if ARGV[5] ~= '' then redis.call(ARGV[5], KEYS[3], ARGV[3]) end
 return 1
 """
 
 
 def chunk_args(
-    names: Names, chunk: StreamEvent, payload: bytes, writer: str, ttl_ms: int | None, publish: str
+    names: Names, chunk: StreamEvent, payload: bytes, writer: str, ttl_ms: int, publish: str
 ) -> tuple[list[str], list[str | bytes | int]]:
-    """KEYS and ARGV of CHUNK_SCRIPT for one chunk; `publish` is the command ('' to log only), `ttl_ms`
-    None leaves the log's expiry as the writer last set it."""
+    """KEYS and ARGV of CHUNK_SCRIPT for one chunk; `publish` is the command ('' to log only)."""
     rid = chunk.request_id
     keys = [names.placement(rid), names.replay(rid), names.stream_channel(rid)]
-    return keys, [writer, chunk.seq, payload, "" if ttl_ms is None else ttl_ms, publish]
+    return keys, [writer, chunk.seq, payload, ttl_ms, publish]
 
 
 # KEYS: response record, cancelled mark, started mark, replay log, stream channel (one request's slot).

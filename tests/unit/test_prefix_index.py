@@ -123,7 +123,10 @@ def test_slots_are_given_back_and_reused() -> None:
     assert holders.width == 2, "the freed slot is taken by the next worker"
     assert holders.matched(["x", "z"]) == {"b": 1, "c": 2}
     depths = holders.depths(["x", "z"])
-    assert [depths[holders.slot(w) or 0] for w in ("b", "c")] == [1.0, 2.0]
+    b, c = holders.slot("b"), holders.slot("c")
+    assert b is not None
+    assert c is not None
+    assert (depths[b], depths[c]) == (1.0, 2.0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -60,7 +60,7 @@ def test_events_are_numbered_and_the_seen_ones_skipped() -> None:
 
 
 def test_frames_are_what_sse_starlette_writes() -> None:
-    for payload in ('{"x":"d\u00e9j\u00e0 vu"}', "[DONE]", "", "two\nlines", "cr\rhere"):
+    for payload in ('{"x":"d\u00e9j\u00e0 vu"}', "[DONE]", "", "tab\there \u2028 \x85"):
         assert sse_frame(payload) == ServerSentEvent(payload).encode()
         assert sse_frame(payload, "12") == ServerSentEvent(payload, id="12").encode()
         assert sse_frame(payload, "0", 3000) == ServerSentEvent(payload, id="0", retry=3000).encode()
