@@ -152,6 +152,9 @@ class Feed:
     def __init__(self, items: list[bytes | BaseException]) -> None:
         self.items = deque(items)
 
+    def ready(self) -> bool:
+        return bool(self.items)
+
     async def next(self, within_s: float) -> bytes:
         if not self.items:
             raise TimeoutError
