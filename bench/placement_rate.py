@@ -1,4 +1,4 @@
-"""Placement decisions per second of one dispatcher process, with 64 and 256 workers in view.
+"""Placement decisions per second of one dispatcher process, with 64, 256 and 1,024 workers in view.
 
 Each decision is what the live dispatcher does per request: build the placement inputs from its view
 (heartbeats, in-flight placements, each worker's precise prefix index) and run the placement function.
@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workers", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--decisions", type=int, default=5000)
     args = parser.parse_args()
     for n in args.workers:
