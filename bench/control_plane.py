@@ -139,6 +139,17 @@ def server_info(ports: list[int], section: str, fields: tuple[str, ...]) -> floa
     return total
 
 
+def command_usec(port: int) -> dict[str, float]:
+    """Microseconds each command has taken on the server on `port` since its last CONFIG RESETSTAT."""
+    spent: dict[str, float] = {}
+    for line in node_command(port, "INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_"):
+            name, stats = line.removeprefix("cmdstat_").split(":", 1)
+            fields = dict(item.split("=") for item in stats.split(","))
+            spent[name] = float(fields["usec"])
+    return spent
+
+
 def server_cpu_s(ports: list[int]) -> float:
     """used_cpu_user + used_cpu_sys of the servers on `ports`, summed (seconds)."""
     return server_info(ports, "cpu", ("used_cpu_user", "used_cpu_sys"))
@@ -314,12 +325,14 @@ def measure_window(
     each process in `pids`, and the ingress's resident memory at the end."""
     tally = {"answers": 0, "chunks": 0, "tokens": 0, "errors": 0}
     out: dict[str, float] = {}
+    redis_port = int(endpoints.redis_url.rsplit(":", 1)[1].split("/")[0])
 
     async def run() -> None:
         stop_at = time.monotonic() + warmup + seconds
         load = asyncio.create_task(keep_streams(endpoints, streams, stop_at, tally, max_tokens))
         await asyncio.sleep(warmup)
         before = {name: proc_cpu_s(pid) for name, pid in pids.items()}
+        node_command(redis_port, "CONFIG", "RESETSTAT")
         counts = dict(tally)
         t0 = time.monotonic()
         await asyncio.sleep(seconds)
@@ -327,6 +340,7 @@ def measure_window(
         for name, pid in pids.items():
             out[f"{name}_cpu"] = proc_cpu_s(pid) - before[name]
         out.update({key: tally[key] - counts[key] for key in tally}, span=span)
+        out.update({f"usec_{name}": usec for name, usec in command_usec(redis_port).items()})
         out["rss"] = proc_rss_mb(pids["ingress"])
         out["log_bytes_per_token"] = await log_bytes_per_token(endpoints.redis_url)
         await load
@@ -385,6 +399,10 @@ def relay(args: argparse.Namespace) -> None:
           f"{long['redis_cpu'] / span:.3f} cores ({redis_rest:.3f} at rest): "
           f"{redis_work * 1e6 / tokens:.2f} CPU-us per token delivered beyond rest "
           f"({long['redis_cpu'] * 1e6 / tokens:.2f} with it)")  # fmt: skip
+    spent = sorted(((k.removeprefix("usec_"), v) for k, v in long.items() if k.startswith("usec_")),
+                   key=lambda kv: -kv[1])  # fmt: skip
+    print("  Redis command time per token delivered (us): "
+          + ", ".join(f"{name} {usec / tokens:.2f}" for name, usec in spent[:6]))  # fmt: skip
     print(f"  replay logs: {long['log_bytes_per_token']:.1f} B of Redis memory per token")
     print(f"  per ingress core-second (all of its work, requests included): "
           f"{long['chunks'] / max(1e-9, long['ingress_cpu']):,.0f} chunks, "
