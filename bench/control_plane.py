@@ -45,7 +45,7 @@ from infra.launcher import (
 )
 from ingress.streams import StreamHub, Subscription
 from plumbing.clients import node_client, redis_client
-from plumbing.protocol.request import CHUNK_SCRIPT, chunk_args
+from plumbing.protocol.request import chunk_commands
 from plumbing.publisher import PipelinedPublisher
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.messages import FinalChunk, TokenChunk
@@ -54,7 +54,6 @@ from queue_schemas.settings import BusSettings
 CHUNK_TEXT = "word " * 4  # a coalesced chunk of a few tokens, as workers send under load
 HUB_WARMUP_S = 2.0
 REST_S = 5.0
-WRITER = "bench-worker"
 
 
 # bus
@@ -67,7 +66,7 @@ def _publish(
 
     async def run() -> int:
         redis = redis_client(settings)
-        publisher = PipelinedPublisher(redis, CHUNK_SCRIPT)
+        publisher = PipelinedPublisher(redis)
         names = settings.names
         sent = 0
         stop = time.monotonic() + seconds
@@ -82,9 +81,8 @@ def _publish(
                         request_id=rid, seq=seq, text=CHUNK_TEXT, num_tokens=4, token_ids=(1, 2, 3, 4)
                     )
                     payload = chunk.model_dump_json().encode()
-                    # As a worker writes: fenced by its id.
-                    keys, args = chunk_args(names, chunk, payload, WRITER, 60_000, settings.stream_publish)
-                    await publisher.run(keys, args)
+                    # As a worker writes: logged, published, and its placement read back.
+                    await publisher.run(chunk_commands(names, chunk, payload, 0, 60_000, settings.stream_publish))
                     sent += 1
                 seq += 1
                 # Each channel gets one chunk per round: a round takes len(channels) / rate seconds.

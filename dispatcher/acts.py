@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -15,8 +16,10 @@ from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from plumbing.clients import BusUnavailable
 from plumbing.deadletter import send_dead_letter
-from plumbing.protocol.request import PLACE_SCRIPT, Placed, place_keys
+from plumbing.protocol.request import MOVES_OUTLIVE_LOG_MS, PLACE_SCRIPT, Placed, place_keys
+from plumbing.replay import LogState, log_ttl_ms
 from queue_schemas.codec import encode
+from queue_schemas.messages import MoveMark
 from queue_schemas.names import INBOX_FIELD
 
 log = structlog.get_logger("sluice.dispatcher")
@@ -37,27 +40,32 @@ class Acts:
         self._redis = redis
         self._place = redis.register_script(PLACE_SCRIPT)
 
-    async def place(self, held: Held, decision: Decision, logged: int = 0) -> str:
-        """Claim the request for the decided worker, then append it to that worker's inbox: 'placed'; or
-        'redelivered' (claimed earlier, never started: appended again to its owner's inbox), 'duplicate',
-        'cancelled' or 'changed' (a moved request whose log grew since it held `logged`)."""
+    async def place(self, held: Held, decision: Decision, log: LogState | None = None) -> str:
+        """Claim the request for the decided worker, then append it to that worker's inbox, under the
+        writer epoch the claim gives it: 'placed'; or 'redelivered' (claimed earlier, never started:
+        appended again to its owner's inbox), 'duplicate', 'cancelled' or 'changed' (a request moved off
+        a lost worker, as `log` shows it, whose log changed since)."""
         request = held.request
         names = self.names
         rid = request.request_id
         assert decision.worker_id is not None
-        reply = await self._place(
-            keys=place_keys(names, rid),
-            args=[
-                decision.worker_id,
-                self.settings.placement_ttl_s * 1000,
-                held.moved_from or "",
-                logged,
-            ],
-        )
-        text, owner = (_text(part) for part in reply)
-        outcome = Placed(text)
+        args: list[str | int | bytes] = [
+            decision.worker_id,
+            self.settings.placement_ttl_s * 1000,
+            held.moved_from or "",
+        ]
+        if held.moved_from is not None:
+            assert log is not None, "a move is placed from its log as read"
+            point = len(log.events)
+            ttl = log_ttl_ms(request.deadline, time.time(), False, request.keep_log_s) + MOVES_OUTLIVE_LOG_MS
+            mark = MoveMark(request_id=rid, epoch=log.epoch + 1, seq=point)
+            args += [log.fields, log.epoch, point, ttl, self.settings.stream_publish, encode(mark)]
+        reply = await self._place(keys=place_keys(names, rid), args=args)
+        outcome, owner, epoch = Placed(_text(reply[0])), _text(reply[1]), int(reply[2])
         if outcome not in (Placed.PLACED, Placed.OWNED):
             return outcome
+        if epoch != request.epoch:
+            held.request = request = request.model_copy(update={"epoch": epoch})
         await self._redis.xadd(
             names.inbox(owner),
             {INBOX_FIELD: encode(request)},

@@ -16,7 +16,7 @@ from dispatcher.hold import Held
 from dispatcher.state import REDIS_PAUSE_S, DispatcherState
 from plumbing.clients import BusUnavailable
 from plumbing.health import item_failed
-from plumbing.protocol.request import chunk_args
+from plumbing.protocol.request import control_chunk_args
 from plumbing.quota import settle
 from plumbing.replay import log_ttl_ms
 from queue_schemas.codec import decode, encode
@@ -121,7 +121,7 @@ class Ending(DispatcherState):
             return
         chunk = ErrorChunk(request_id=request.request_id, seq=seq, code=code, message=message)
         ttl = log_ttl_ms(request.deadline, time.time(), True, request.keep_log_s)
-        keys, args = chunk_args(self.names, chunk, encode(chunk), "", ttl, self.settings.stream_publish)
+        keys, args = control_chunk_args(self.names, chunk, encode(chunk), ttl, self.settings.stream_publish)
         await self._log_chunk(keys=keys, args=args)
 
     async def _on_cancel(self, data: bytes) -> None:

@@ -107,7 +107,7 @@ class Move:
 
     outcome: Literal["ended", "restarted", "moved", "refused"]
     request: InferenceRequest  # what to place (the request itself, or its continuation)
-    logged: int  # chunks the log held: the placement goes ahead only while it still holds that many
+    logged: int  # chunks the log holds in order: the seq the request goes on from
     reason: str = ""  # why it cannot move (refused)
     used_tokens: int = 0  # what the client was sent, charged to a refused request
 

@@ -24,7 +24,7 @@ from dispatcher.migration import decide_move
 from dispatcher.placement import AFFINITY_REASON, SLO_REASON, Decision, Demand, choose_least_loaded
 from plumbing import tracing as plumbing_tracing
 from plumbing.clients import BusUnavailable
-from plumbing.replay import read_log
+from plumbing.replay import LogState, read_log_state
 from plumbing.tracing import current as tracing_current
 from plumbing.tracing import logging_for as tracing_logs
 from queue_schemas.errors import ErrorCode
@@ -127,12 +127,11 @@ class Placing(Ending):
     async def _try_place(self, held: Held) -> Tried:
         """`placed` when the request left the hold (placed, answered or ended), `waits` or `slo` when it
         waits for a reason of its own, `full` when it fits nowhere now."""
-        logged = 0
+        log_ = None
         if held.taken_over is not None:
-            moving = await self._prepare_move(held)
-            if moving is None:
+            log_ = await self._prepare_move(held)
+            if log_ is None:
                 return "placed"
-            logged = moving
         request = held.request
         waited = max(0.0, time.monotonic() - held.arrived)
         demand = demand_of(request, waited, self.hold.held_of(request.team) <= 1, held.taken_over is None)
@@ -170,7 +169,7 @@ class Placing(Ending):
         outcome = "failed"
         try:
             with tracing_current(span):
-                outcome = await self.acts.place(held, decision, logged)
+                outcome = await self.acts.place(held, decision, log_)
         finally:
             tracing.placed(span, held, outcome)
         request = held.request
@@ -231,18 +230,18 @@ class Placing(Ending):
             return None
         return Handoff(id=secrets.token_hex(16), prefill_worker=side.worker_id, wait_s=config.handoff_wait_s)
 
-    async def _prepare_move(self, held: Held) -> int | None:
+    async def _prepare_move(self, held: Held) -> LogState | None:
         """Ready a request taken over from a lost worker for placement, from what its replay log shows
-        was delivered (dispatcher.migration): the request whole, or its continuation. Returns how many
-        chunks the log held, or None when it needs no placement: it had ended, or cannot move and is
-        answered with worker_lost after what its client has."""
+        was delivered (dispatcher.migration): the request whole, or its continuation. Returns the log as
+        read (its placement goes ahead only while the log is so), or None when it needs no placement: it
+        had ended, or cannot move and is answered with worker_lost after what its client has."""
         lost = held.taken_over
         assert lost is not None
-        log_ = await read_log(self.redis, self.names, lost.request_id)
-        move = decide_move(lost, log_, self.max_migrations, self.block_size)
+        log_ = await read_log_state(self.redis, self.names, lost.request_id)
+        move = decide_move(lost, log_.events, self.max_migrations, self.block_size)
         held.request = move.request
         if move.outcome in ("restarted", "moved"):
-            return move.logged  # counted once placed
+            return log_  # counted once placed
         await self._count_move(move.outcome)
         if move.outcome == "ended":
             self._finish(held)

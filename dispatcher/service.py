@@ -47,7 +47,7 @@ from plumbing.answers import AnswerSink
 from plumbing.clients import BusUnavailable
 from plumbing.fetch_pacing import FetchPacer
 from plumbing.health import Liveness
-from plumbing.protocol.request import CHUNK_SCRIPT
+from plumbing.protocol.request import CONTROL_CHUNK_SCRIPT
 from plumbing.state import follow_channel
 
 log = structlog.get_logger("sluice.dispatcher")
@@ -83,7 +83,7 @@ class Dispatcher(Intake, Refreshers):
         self.block_size = pool_config.block_size
         self.max_migrations = pool_config.max_migrations
         self.disaggregation = pool_config.disaggregation if pool_config.splits else None
-        self._log_chunk = redis.register_script(CHUNK_SCRIPT)
+        self._log_chunk = redis.register_script(CONTROL_CHUNK_SCRIPT)
         self._redis_failed_at = float("-inf")  # monotonic; lost workers are not recovered right after
         self.batch = BatchDesk(redis, self.names, pool_config, tokenizer, self.answers, self.acts.dead_letter)
         self.policy = settings.policy(pool_config.latency)

@@ -1,11 +1,12 @@
 """Where a request's chunks go: streamed to its channel, or, for a batch request, gathered into one answer
 delivered on its reply topic at the end. Either way every chunk is written to the request's replay log
-(plumbing.replay), fenced on its placement, so another worker can take the request over."""
+(plumbing.replay) under the request's writer epoch, so another worker can take the request over."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import TypeVar
 
 import structlog
 from redis.exceptions import RedisError
@@ -13,7 +14,7 @@ from redis.exceptions import RedisError
 from openai_api.batch_bodies import completed_answer
 from plumbing.answers import AnswerSink
 from plumbing.clients import with_backoff
-from plumbing.protocol.request import chunk_args
+from plumbing.protocol.request import chunk_commands, still_owner
 from plumbing.publisher import PipelinedPublisher
 from plumbing.replay import is_terminal, log_ttl_ms
 from plumbing.retry import doubling
@@ -79,14 +80,16 @@ class RequestOutput:
             )
 
     async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
-        ttl = log_ttl_ms(self.request.deadline, time.time(), is_terminal(chunk), self.request.keep_log_s)
+        request = self.request
+        ttl = log_ttl_ms(request.deadline, time.time(), is_terminal(chunk), request.keep_log_s)
         command = self._publish_command if publish else ""
-        keys, args = chunk_args(self._names, chunk, encode(chunk), self._worker_id, ttl, command)
+        chunk = stamped(chunk, request.epoch)
+        commands = chunk_commands(self._names, chunk, encode(chunk), request.epoch, ttl, command)
         give_up = time.monotonic() + self._outage_s
         delays = doubling(0.05, 1.0)
         while True:
             try:
-                written = await self._publisher.run(keys, args)
+                owner = await self._publisher.run(commands)
                 break
             except (RedisError, OSError) as exc:
                 delay = next(delays)
@@ -94,7 +97,7 @@ class RequestOutput:
                     raise
                 log.warning("chunk not written; retrying", request_id=chunk.request_id, error=str(exc))
                 await asyncio.sleep(delay)
-        if not written:
+        if not still_owner(owner, self._worker_id):
             raise Moved(chunk.request_id)
 
     def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:
@@ -105,3 +108,14 @@ class RequestOutput:
         if isinstance(chunk, FinalChunk):
             return completed_answer(self.request, "".join(self._parts), chunk.finish_reason, chunk.usage)
         return None
+
+
+Chunk = TypeVar("Chunk", bound=TokenChunk | FinalChunk | ErrorChunk)
+
+
+def stamped(chunk: Chunk, epoch: int) -> Chunk:
+    """The chunk as its worker writes it: under the request's epoch (a worker's error chunk names its
+    epoch even at 0, unlike the control plane's; see queue_schemas.messages.ErrorChunk)."""
+    if chunk.epoch == epoch:
+        return chunk
+    return chunk.model_copy(update={"epoch": epoch})  # type: ignore[return-value]  # the same class

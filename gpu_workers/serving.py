@@ -15,7 +15,7 @@ from gpu_workers.coalesce import ChunkCoalescer, flush_window_s
 from gpu_workers.engine import EarlyStart, EngineError, RequestFailed
 from gpu_workers.handoff import KvTransfer
 from gpu_workers.metrics import TEAM_TOKENS
-from gpu_workers.output import Moved, RequestOutput
+from gpu_workers.output import Moved, RequestOutput, stamped
 from gpu_workers.parts import LEAVE, REQUEST_FAULT, REQUEST_ITEMS, WorkerParts, log
 from gpu_workers.starting import STARTED_MARK_TTL_MS, start_refusal
 from gpu_workers.tracing import RequestSpans
@@ -24,7 +24,7 @@ from plumbing.clients import BusUnavailable
 from plumbing.health import item_failed
 from plumbing.protocol.request import Begun, begin_keys
 from plumbing.quota import settle
-from plumbing.replay import log_ttl_ms
+from plumbing.replay import log_field, log_ttl_ms
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import (
@@ -193,7 +193,9 @@ class Serving(WorkerParts):
         args: list[str | bytes | int] = [self.settings.worker_id, STARTED_MARK_TTL_MS]
         if first is not None:
             ttl = log_ttl_ms(request.deadline, time.time(), False, request.keep_log_s)
-            args += [self.settings.stream_publish, encode(first), first.seq, ttl]
+            first = stamped(first, request.epoch)
+            field = log_field(request.epoch, first.seq)
+            args += [self.settings.stream_publish, encode(first), field, ttl]
         outcome = await self._begin_script(keys=keys, args=args)
         return Begun(outcome.decode() if isinstance(outcome, bytes) else str(outcome))
 

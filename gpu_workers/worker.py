@@ -38,7 +38,7 @@ from gpu_workers.starting import process_started_at
 from plumbing.answers import AnswerSink
 from plumbing.clients import producer_options
 from plumbing.health import Liveness
-from plumbing.protocol.request import BEGIN_SCRIPT, CHUNK_SCRIPT
+from plumbing.protocol.request import BEGIN_SCRIPT
 from plumbing.publisher import PipelinedPublisher
 from plumbing.state import follow_channel
 from queue_schemas.errors import ErrorCode
@@ -64,7 +64,7 @@ class Worker(Consuming, Beats):
         self.names = settings.names
         self.engine = engine
         self.redis = redis
-        self.publisher = PipelinedPublisher(redis, CHUNK_SCRIPT)
+        self.publisher = PipelinedPublisher(redis)
         self.model = model
         self.max_running = max_running
         self.light_slots = light_slots  # the engine runs max_running + light_slots (see next_light)

@@ -2,7 +2,9 @@
 
 Whatever happens, the client gets exactly one terminal event: a final chunk, or an error. Chunks are
 relayed in sequence order, each once: a repeated one is dropped, and a gap (chunks published while the
-pub/sub connection was down) is filled from the request's replay log before the stream goes on.
+pub/sub connection was down) is filled from the request's replay log before the stream goes on. Once a
+request has moved to another worker (its MoveMark, or a chunk of the newer epoch, was seen), chunks of
+an older epoch are a lost worker's late writes and are dropped (plumbing.replay).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from ingress.tracing import Relay
 from openai_api.errors import from_bus_error
 from openai_api.openai_types import ResponseShape
 from openai_api.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
-from queue_schemas.codec import decode_stream_event
+from queue_schemas.codec import decode_channel_message
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
     ErrorChunk,
     FinalChunk,
     InferenceRequest,
+    MoveMark,
     StreamEvent,
     TokenChunk,
 )
@@ -74,6 +77,7 @@ async def marked_events(
     message, and before reading the log. A writer that sends at each FLUSH sends the events that came
     together in one write, and never holds one back while it waits."""
     expected_seq = 0
+    epoch = 0  # the newest writer epoch seen
     backlog: deque[StreamEvent] = deque()
     while True:
         if backlog:
@@ -90,7 +94,11 @@ async def marked_events(
                     yield FLUSH
                     backlog.extend(await _catch_up(read_log, request, expected_seq))
                     continue
-                event = decode_stream_event(item)
+                message = decode_channel_message(item)
+                if isinstance(message, MoveMark):
+                    epoch = max(epoch, message.epoch)
+                    continue
+                event = message
             except TimeoutError:
                 yield _error(
                     request,
@@ -107,6 +115,10 @@ async def marked_events(
             except SchemaError as exc:
                 yield _error(request, expected_seq, ErrorCode.ENGINE_ERROR, f"undecodable chunk: {exc}")
                 return
+        if event.epoch is not None:  # a worker's chunk; the control plane's speaks for every epoch
+            if event.epoch < epoch:
+                continue  # written by a worker the request has since moved off
+            epoch = event.epoch
         if isinstance(event, ErrorChunk):
             # An error ends the stream whatever its seq: a dispatcher that answers for a lost worker's
             # request may not know how many chunks the client already has.

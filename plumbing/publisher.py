@@ -6,41 +6,38 @@ everything queued and sends it as one non-transactional pipeline. An idle publis
 at once, so the first token is not delayed; under load, messages that arrive during a round trip go
 together in the next one. Order is kept (one sender, FIFO), so per-channel order holds.
 
-Two kinds of call share the queue: a plain PUBLISH, and a run of the publisher's script (EVALSHA; a
-server that lost its script cache, after a restart, gets it loaded again and the calls retried).
+Two kinds of call share the queue: a plain PUBLISH, and a short run of commands (a worker's chunk:
+plumbing.protocol.request.chunk_commands) whose last reply is the call's. A run's commands go out
+together, in order, in the batch's pipeline; a run any of whose commands failed raises what failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
 
 MAX_BATCH = 256
 
 Arg = str | bytes | int | float
 
 
+Command = Sequence[Arg]
+
+
 @dataclass(slots=True)
 class _Call:
-    channel: str  # PUBLISH when set, else the script
-    message: bytes
-    keys: Sequence[str]
-    args: Sequence[Arg]
+    commands: Sequence[Command]  # the last one's reply is the call's
     done: asyncio.Future[Any]
 
 
 class PipelinedPublisher:
-    def __init__(self, redis: aioredis.Redis, script: str | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
-        self._script = script
-        self._sha = hashlib.sha1(script.encode()).hexdigest() if script else ""
         self._queue: list[_Call] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -49,12 +46,12 @@ class PipelinedPublisher:
 
     async def publish(self, channel: str, message: bytes) -> None:
         """Return when the message is published; raise what Redis raised for its batch."""
-        await self._enqueue(_Call(channel, message, (), (), self._future()))
+        await self._enqueue(_Call((("PUBLISH", channel, message),), self._future()))
 
-    async def run(self, keys: Sequence[str], args: Sequence[Arg]) -> Any:
-        """Run the publisher's script; its reply, or what Redis raised."""
-        assert self._script is not None, "this publisher has no script"
-        return await self._enqueue(_Call("", b"", keys, args, self._future()))
+    async def run(self, commands: Sequence[Command]) -> Any:
+        """Send `commands` together, in order; the last one's reply, or what Redis raised for any."""
+        assert commands, "a run needs a command"
+        return await self._enqueue(_Call(commands, self._future()))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -86,12 +83,6 @@ class PipelinedPublisher:
     async def _send(self, batch: list[_Call]) -> None:
         try:
             results = await self._execute(batch)
-            missing = [c for c, r in zip(batch, results, strict=True) if isinstance(r, NoScriptError)]
-            if missing:  # the server restarted since the script was loaded
-                assert self._script is not None
-                await self._redis.script_load(self._script)
-                retried = dict(zip(map(id, missing), await self._execute(missing), strict=True))
-                results = [retried.get(id(c), r) for c, r in zip(batch, results, strict=True)]
         except Exception as exc:  # every waiter of this batch sees the failure, as a lone call would
             _fail(batch, exc)
             return
@@ -109,17 +100,25 @@ class PipelinedPublisher:
                 call.done.set_result(result)
 
     async def _execute(self, batch: list[_Call]) -> list[Any]:
-        if len(batch) == 1 and batch[0].channel:
-            return [await self._redis.publish(batch[0].channel, batch[0].message)]
-        # execute_command, not publish()/evalsha(): a cluster client refuses those two by name in a
-        # pipeline, though it routes them (EVALSHA by its keys) and sends each node's share as one.
+        """Each call's reply: its last command's, or the first exception among its commands."""
+        if len(batch) == 1 and len(batch[0].commands) == 1 and batch[0].commands[0][0] == "PUBLISH":
+            _, channel, message = batch[0].commands[0]
+            return [await self._redis.publish(str(channel), message)]
+        # execute_command, not publish(): a cluster client refuses it by name in a pipeline, though it
+        # routes it, and sends each node's share as one.
         async with self._redis.pipeline(transaction=False) as pipe:
             for call in batch:
-                if call.channel:
-                    pipe.execute_command("PUBLISH", call.channel, call.message)
-                else:
-                    pipe.execute_command("EVALSHA", self._sha, len(call.keys), *call.keys, *call.args)
-            return list(await pipe.execute(raise_on_error=False))
+                for command in call.commands:
+                    pipe.execute_command(*command)
+            replies = list(await pipe.execute(raise_on_error=False))
+        results: list[Any] = []
+        at = 0
+        for call in batch:
+            mine = replies[at : at + len(call.commands)]
+            at += len(call.commands)
+            failed = [reply for reply in mine if isinstance(reply, Exception)]
+            results.append(failed[0] if failed else mine[-1])
+        return results
 
 
 def _fail(batch: list[_Call], exc: BaseException) -> None:

@@ -7,13 +7,26 @@ is what the rest of the system trusts about a stream:
 - the dispatcher reads it to move a request off a lost worker: the tokens delivered so far become part
   of the prompt on another worker (dispatcher.migration).
 
-Writes are fenced on the placement record: a worker that is no longer the request's owner (it was
-presumed lost and the request moved) cannot add to the log or the stream. The log lives while the
-request can still run and for LOG_AFTER_END_MS after its terminal chunk; a stored response's log
-(InferenceRequest.keep_log_s) until that long past the request's deadline.
+Writes are fenced by epoch rather than checked one by one. A request's worker writes under the
+request's writer epoch (InferenceRequest.epoch: 0 where it was first placed), its chunk `seq` under
+the field `log_field(epoch, seq)`, with plain pipelined commands. Each move off a lost worker starts
+the next epoch in the same step as the claim (PLACE_SCRIPT): it appends the epoch's first sequence
+number to the request's moves list and publishes a MoveMark on the stream channel. A reader takes chunk
+`seq` from the newest epoch that had begun by it (`epoch_of`), so whatever a lost worker still writes
+is never read; the ingress drops chunks of an older epoch once it has seen a newer one (ingress.relay),
+and the lost worker learns it was moved from the placement record it reads with each write. The
+control plane (a dispatcher's error, a cancel) writes under the epoch the request has reached.
+
+The log lives while the request can still run and for LOG_AFTER_END_MS after its terminal chunk; a
+stored response's log (InferenceRequest.keep_log_s) until that long past the request's deadline. Every
+write sets its expiry again, so a log deleted or lost mid-stream never comes back without one.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -38,12 +51,29 @@ def log_ttl_ms(deadline: float, now: float, terminal: bool, keep_s: int = 0) -> 
     return max(MIN_LOG_TTL_MS, int((deadline - now) * 1000) + LOG_AFTER_END_MS)
 
 
-def in_order(raw: dict[bytes, bytes], from_seq: int = 0) -> list[StreamEvent]:
-    """The logged chunks from `from_seq` on, in order, up to the first one missing or unreadable; none
-    after a terminal chunk."""
+def log_field(epoch: int, seq: int) -> str:
+    """The log field chunk `seq` is written under by a writer of `epoch`: the seq alone at epoch 0 (a
+    request never moved), so most logs carry no epoch at all. `log_field_lua` is the same in a script."""
+    return str(seq) if epoch == 0 else f"{seq}.{epoch}"
+
+
+def log_field_lua(epoch: str, seq: str) -> str:
+    """`log_field` as a Lua expression over two expressions (numbers or numeric strings)."""
+    return f"(tonumber({epoch}) == 0 and tostring({seq}) or (tostring({seq}) .. '.' .. tostring({epoch})))"
+
+
+def epoch_of(moves: Sequence[int], seq: int) -> int:
+    """The epoch whose chunk `seq` is read: the newest that had begun by `seq`. `moves` are the first
+    seqs of epochs 1, 2, ... in order (non-decreasing: a move starts where the log was)."""
+    return bisect_right(moves, seq)
+
+
+def in_order(raw: dict[bytes, bytes], from_seq: int = 0, moves: Sequence[int] = ()) -> list[StreamEvent]:
+    """The logged chunks from `from_seq` on, in order, each from the epoch that owns it, up to the first
+    one missing or unreadable; none after a terminal chunk."""
     found: list[StreamEvent] = []
     seq = from_seq
-    while (payload := raw.get(str(seq).encode())) is not None:
+    while (payload := raw.get(log_field(epoch_of(moves, seq), seq).encode())) is not None:
         try:
             event = decode_stream_event(payload)
         except SchemaError:
@@ -55,12 +85,45 @@ def in_order(raw: dict[bytes, bytes], from_seq: int = 0) -> list[StreamEvent]:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class LogState:
+    """A request's log as read in one step: its chunks in order, how many fields the log holds (every
+    epoch's, read or not), and the first seqs of its epochs after the first."""
+
+    events: list[StreamEvent]
+    fields: int
+    moves: tuple[int, ...]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the request has reached."""
+        return len(self.moves)
+
+
+async def read_log_state(redis: aioredis.Redis, names: Names, request_id: str) -> LogState:
+    """The request's whole log and its epochs, read together (one round trip, one hash slot)."""
+    fields, moves = await _read(redis, names, request_id)
+    return LogState(in_order(fields, 0, moves), len(fields), moves)
+
+
 async def read_log(
     redis: aioredis.Redis, names: Names, request_id: str, from_seq: int = 0
 ) -> list[StreamEvent]:
     """The request's chunks from `from_seq` on, in order, as far as the log is unbroken."""
-    raw = await redis.hgetall(names.replay(request_id))
-    return in_order({_as_bytes(k): _as_bytes(v) for k, v in raw.items()}, from_seq)
+    fields, moves = await _read(redis, names, request_id)
+    return in_order(fields, from_seq, moves)
+
+
+async def _read(
+    redis: aioredis.Redis, names: Names, request_id: str
+) -> tuple[dict[bytes, bytes], tuple[int, ...]]:
+    # The log before its moves: a move made between the two reads then shows an epoch that has not
+    # written yet (read as the end of the log), never a lost worker's late write as if it were current.
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(names.replay(request_id))
+        pipe.lrange(names.moves(request_id), 0, -1)
+        raw, points = await pipe.execute()
+    return {_as_bytes(k): _as_bytes(v) for k, v in raw.items()}, tuple(int(point) for point in points)
 
 
 def _as_bytes(value: bytes | str) -> bytes:

@@ -8,12 +8,13 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from queue_schemas.errors import SchemaError
-from queue_schemas.messages import SCHEMA_VERSION, StreamEvent
+from queue_schemas.messages import SCHEMA_VERSION, ChannelMessage, StreamEvent
 
 M = TypeVar("M", bound=BaseModel)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _stream_event_adapter: TypeAdapter[StreamEvent] = TypeAdapter(StreamEvent)
+_channel_adapter: TypeAdapter[ChannelMessage] = TypeAdapter(ChannelMessage)
 
 
 def encode(message: BaseModel) -> bytes:
@@ -61,3 +62,12 @@ def decode_stream_event(data: bytes | str) -> StreamEvent:
         return _stream_event_adapter.validate_python(obj)
     except ValidationError as exc:
         raise SchemaError(f"invalid stream event: {_describe(exc)}") from None
+
+
+def decode_channel_message(data: bytes | str) -> ChannelMessage:
+    """Decode a message on a request's stream channel: a chunk, or the mark of a move."""
+    obj = _load_object(data)
+    try:
+        return _channel_adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise SchemaError(f"invalid stream message: {_describe(exc)}") from None

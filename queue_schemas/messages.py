@@ -30,6 +30,19 @@ def _unset(value: object) -> bool:
     return value is None
 
 
+def _first(value: object) -> bool:
+    """A writer epoch left off the wire at 0 (a request never moved), so its chunks are the same bytes
+    as before epochs existed."""
+    return value == 0
+
+
+MAX_EPOCH = 1_000_000  # far above any pool's max_migrations
+
+# A request's writer epoch: 0 where it was first placed, one more each time it moved off a lost worker
+# (plumbing.replay). Its chunks carry it, and are logged under it.
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
+
+
 # A signed 64-bit seed, as engines take it (vLLM's own server caps seeds so).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -219,6 +232,12 @@ class InferenceRequest(Message):
         default=None, gt=0, le=MAX_SLO_MS, description="its time-per-output-token SLO (None: the pool's)"
     )
     placement: PlacementNote | None = Field(default=None, description="set by the placing dispatcher")
+    epoch: Epoch = Field(
+        default=0,
+        exclude_if=_first,
+        description="the writer epoch its worker writes under (plumbing.replay); set by the placing "
+        "dispatcher",
+    )
     traceparent: Traceparent | None = Field(
         default=None,
         exclude_if=_unset,
@@ -283,6 +302,7 @@ class TokenChunk(Message):
     traceparent: Traceparent | None = Field(
         default=None, exclude_if=_unset, description="the worker's span, on a first chunk"
     )
+    epoch: Epoch = Field(default=0, exclude_if=_first, description="its writer's epoch")
 
 
 class FinalChunk(Message):
@@ -303,6 +323,7 @@ class FinalChunk(Message):
     ended_at: float | None = Field(
         default=None, exclude_if=_unset, description="epoch seconds the worker ended the request"
     )
+    epoch: Epoch = Field(default=0, exclude_if=_first, description="its writer's epoch")
 
 
 class ErrorChunk(Message):
@@ -313,9 +334,29 @@ class ErrorChunk(Message):
     seq: int = Field(ge=0)
     code: str
     message: str
+    epoch: Epoch | None = Field(
+        default=None,
+        exclude_if=_unset,
+        description="its worker's epoch; None for one written by the control plane (a dispatcher, a "
+        "cancel), which speaks for the request at whatever epoch it has reached",
+    )
 
 
 StreamEvent = Annotated[TokenChunk | FinalChunk | ErrorChunk, Field(discriminator="kind")]
+
+
+class MoveMark(Message):
+    """Published on a request's stream channel when it moves to another worker, by the step that moves
+    it: from here on, chunks of an older epoch are a lost worker's late writes, and are dropped. Never
+    logged."""
+
+    kind: Literal["moved"] = "moved"
+    request_id: RequestId
+    epoch: Epoch = Field(ge=1, description="the epoch the request's new worker writes under")
+    seq: int = Field(ge=0, description="the first sequence number of that epoch")
+
+
+ChannelMessage = Annotated[TokenChunk | FinalChunk | ErrorChunk | MoveMark, Field(discriminator="kind")]
 
 
 class Heartbeat(Message):

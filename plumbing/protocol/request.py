@@ -7,11 +7,13 @@ from enum import StrEnum
 
 from redis.asyncio.client import Pipeline
 
+from plumbing.replay import log_field, log_field_lua
 from queue_schemas.codec import encode
 from queue_schemas.messages import CancelNotice, StreamEvent
 from queue_schemas.names import Names
 
 CANCEL_MARK_TTL_MS = 10 * 60 * 1000  # a cancelled mark outlives any request's wait for a worker
+MOVES_OUTLIVE_LOG_MS = 120_000  # a request's moves list outlives its log: the log is never read without it
 
 
 class Placed(StrEnum):
@@ -63,27 +65,38 @@ def fenced_out_lua(placement: str, writer: str) -> str:
     return f"(function() local o = redis.call('GET', {placement}) return o and o ~= {writer} end)()"
 
 
-# KEYS: placement record, cancelled mark, replay log, started mark, answered mark (one request's slot).
-# ARGV: worker id, record ttl ms, lost worker it moves from ('' if new), and for a move, how many chunks
-# the replay log held when the move was decided.
+# KEYS: placement record, cancelled mark, replay log, started mark, answered mark, moves list, stream
+# channel (one request's slot).
+# ARGV: worker id, record ttl ms, lost worker it moves from ('' if new), and for a move: how many fields
+# the replay log held and which epoch it had reached when the move was decided, the seq the new epoch
+# begins at, the moves list's ttl ms, the publish command and the MoveMark to publish.
 # Claims the request for the worker: 'placed', then the dispatcher appends it to the worker's inbox (the
 # worker's slot, so a second step). A move goes ahead only while the lost worker still owns the request
-# and its log is as it was read ('changed' otherwise: the log is read again); the new owner fences the
-# old one out of the log. A request already claimed by another worker that has neither started it nor
-# answered it returns 'owned' and that worker: the claim may have been made by a dispatcher that died
-# before the append, so the append is made again (a worker drops a request it already holds). A request
-# served already (`served_already`: answered, or started by its owner) is a 'duplicate', unless it is
-# being moved off that owner.
+# and its log is as it was read ('changed' otherwise: the log is read again); it starts the next epoch
+# (plumbing.replay), which fences the old worker out of what is read, and marks the stream so. A request
+# already claimed by another worker that has neither started it nor answered it returns 'owned' and that
+# worker: the claim may have been made by a dispatcher that died before the append, so the append is
+# made again (a worker drops a request it already holds). A request served already (`served_already`:
+# answered, or started by its owner) is a 'duplicate', unless it is being moved off that owner. Every
+# reply ends with the epoch the request's worker writes under.
 PLACE_SCRIPT = f"""
-if redis.call('EXISTS', KEYS[2]) == 1 then return {{'cancelled', ''}} end
+local epoch = redis.call('LLEN', KEYS[6])
+if redis.call('EXISTS', KEYS[2]) == 1 then return {{'cancelled', '', epoch}} end
 local owner = redis.call('GET', KEYS[1])
 if ARGV[3] == '' or owner ~= ARGV[3] then
-  if {served_already_lua("owner", "KEYS[4]", "KEYS[5]")} then return {{'duplicate', owner or ''}} end
-  if owner then return {{'owned', owner}} end
+  if {served_already_lua("owner", "KEYS[4]", "KEYS[5]")} then return {{'duplicate', owner or '', epoch}} end
+  if owner then return {{'owned', owner, epoch}} end
 end
-if ARGV[3] ~= '' and redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) then return {{'changed', ''}} end
+if ARGV[3] ~= '' then
+  if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) or epoch ~= tonumber(ARGV[5]) then
+    return {{'changed', '', epoch}}
+  end
+  epoch = redis.call('RPUSH', KEYS[6], ARGV[6])
+  redis.call('PEXPIRE', KEYS[6], ARGV[7])
+  redis.call(ARGV[8], KEYS[7], ARGV[9])
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {{'placed', ARGV[1]}}
+return {{'placed', ARGV[1], epoch}}
 """
 
 
@@ -95,12 +108,14 @@ def place_keys(names: Names, request_id: str) -> list[str]:
         names.replay(request_id),
         names.started(request_id),
         names.answered(request_id),
+        names.moves(request_id),
+        names.stream_channel(request_id),
     ]
 
 
 # KEYS: cancelled mark, placement record, started mark, replay log, stream channel (one request's slot).
 # ARGV: this worker's id, mark ttl ms, and optionally the publish command (PUBLISH or SPUBLISH), the
-# first chunk, its seq and the log's ttl ms.
+# first chunk, its log field (plumbing.replay.log_field) and the log's ttl ms.
 # Marks the request started unless it was cancelled, or re-placed on another worker while this one was
 # presumed dead (the dispatcher moves a request only once its owner is gone). The first chunk goes out,
 # and into the replay log, in the same step, so a request that may not start here publishes nothing,
@@ -129,36 +144,71 @@ def begin_keys(names: Names, request_id: str) -> list[str]:
     ]
 
 
-# KEYS: placement record, replay log, stream channel (one request's slot). ARGV: writer's worker id (''
-# for a dispatcher, not fenced), seq, chunk, log ttl ms, and the publish command: PUBLISH, SPUBLISH (a
-# Redis Cluster's sharded pub/sub) or '' to log without publishing (a batch request's progress).
-# Returns 1, or 0 when the request belongs to another worker now (nothing is written).
-CHUNK_SCRIPT = f"""
-if ARGV[1] ~= '' and {fenced_out_lua("KEYS[1]", "ARGV[1]")} then return 0 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-if ARGV[5] ~= '' then redis.call(ARGV[5], KEYS[3], ARGV[3]) end
+def chunk_commands(
+    names: Names,
+    chunk: StreamEvent,
+    payload: bytes,
+    epoch: int,
+    ttl_ms: int,
+    publish: str,
+) -> list[tuple[str | bytes | int, ...]]:
+    """What a worker sends for one chunk of its request, pipelined (no script): the chunk into the
+    replay log under its epoch's field, the log's expiry (and the moves list's, for a moved request),
+    the publish on the stream channel (`publish` is PUBLISH or SPUBLISH; '' logs without publishing, as
+    for a batch request's progress), then a read of the placement record, last, which says whether the
+    request still belongs to the writer (`still_owner`). Every key is in the request's hash slot."""
+    rid = chunk.request_id
+    log_key = names.replay(rid)
+    commands: list[tuple[str | bytes | int, ...]] = [
+        ("HSET", log_key, log_field(epoch, chunk.seq), payload),
+        ("PEXPIRE", log_key, ttl_ms),
+    ]
+    if epoch:
+        commands.append(("PEXPIRE", names.moves(rid), ttl_ms + MOVES_OUTLIVE_LOG_MS))
+    if publish:
+        commands.append((publish, names.stream_channel(rid), payload))
+    commands.append(("GET", names.placement(rid)))
+    return commands
+
+
+def still_owner(placement: bytes | str | None, writer: str) -> bool:
+    """Whether the request still belongs to `writer`, by its placement record as read after a write: a
+    record naming another worker means it moved (a record expired names nobody, and fences nobody, as
+    in `fenced_out_lua`)."""
+    return placement is None or _text(placement) == writer
+
+
+# KEYS: replay log, moves list, stream channel (one request's slot). ARGV: seq, the chunk (an ErrorChunk
+# with no epoch: the control plane's), log ttl ms, the publish command.
+# A dispatcher's chunk (its error for a request it answers), logged under the epoch the request has
+# reached and published.
+CONTROL_CHUNK_SCRIPT = f"""
+local field = {log_field_lua("redis.call('LLEN', KEYS[2])", "ARGV[1]")}
+redis.call('HSET', KEYS[1], field, ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call(ARGV[4], KEYS[3], ARGV[2])
 return 1
 """
 
 
-def chunk_args(
-    names: Names, chunk: StreamEvent, payload: bytes, writer: str, ttl_ms: int, publish: str
+def control_chunk_args(
+    names: Names, chunk: StreamEvent, payload: bytes, ttl_ms: int, publish: str
 ) -> tuple[list[str], list[str | bytes | int]]:
-    """KEYS and ARGV of CHUNK_SCRIPT for one chunk; `publish` is the command ('' to log only)."""
+    """KEYS and ARGV of CONTROL_CHUNK_SCRIPT for one chunk."""
     rid = chunk.request_id
-    keys = [names.placement(rid), names.replay(rid), names.stream_channel(rid)]
-    return keys, [writer, chunk.seq, payload, ttl_ms, publish]
+    keys = [names.replay(rid), names.moves(rid), names.stream_channel(rid)]
+    return keys, [chunk.seq, payload, ttl_ms, publish]
 
 
-# KEYS: response record, cancelled mark, started mark, replay log, stream channel (one request's slot).
-# ARGV: cancel mark ttl ms, the cancelled error chunk, its log ttl ms, the publish command, now.
+# KEYS: response record, cancelled mark, started mark, replay log, stream channel, moves list (one
+# request's slot). ARGV: cancel mark ttl ms, the cancelled error chunk (seq 0, no epoch: the control
+# plane's), its log ttl ms, the publish command, now.
 # Returns 'ended' when the request had not started (its stream is ended here), else 'running'.
-CANCEL_SCRIPT = """
+CANCEL_SCRIPT = f"""
 redis.call('HSETNX', KEYS[1], 'cancelled', ARGV[5])
 redis.call('SET', KEYS[2], 'response cancelled', 'PX', ARGV[1])
 if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('HLEN', KEYS[4]) == 0 then
-  redis.call('HSET', KEYS[4], '0', ARGV[2])
+  redis.call('HSET', KEYS[4], {log_field_lua("redis.call('LLEN', KEYS[6])", "0")}, ARGV[2])
   redis.call('PEXPIRE', KEYS[4], ARGV[3])
   redis.call(ARGV[4], KEYS[5], ARGV[2])
   return 'ended'
@@ -171,7 +221,7 @@ def cancel_keys(names: Names, request_id: str) -> list[str]:
     """KEYS of CANCEL_SCRIPT."""
     return [
         names.response(request_id), names.cancelled(request_id), names.started(request_id),
-        names.replay(request_id), names.stream_channel(request_id),
+        names.replay(request_id), names.stream_channel(request_id), names.moves(request_id),
     ]  # fmt: skip
 
 

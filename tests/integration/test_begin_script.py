@@ -1,7 +1,7 @@
-"""The scripts that decide who may write a request's stream, against the real Redis-compatible server:
-the start check and the first chunk are one script, so a request that may not start on this worker
-publishes nothing; every later chunk is fenced on the placement; a move goes ahead only while the log is
-as the dispatcher read it."""
+"""What decides who may write a request's stream, against the real Redis-compatible server: the start
+check and the first chunk are one script, so a request that may not start on this worker publishes
+nothing; a move goes ahead only while the log is as the dispatcher read it, and starts a writer epoch
+that fences the lost worker's later chunks out of what is read and relayed."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from gpu_workers.starting import STARTED_MARK_TTL_MS
 from plumbing.clients import redis_client
-from plumbing.protocol.request import BEGIN_SCRIPT, CHUNK_SCRIPT, chunk_args
-from plumbing.replay import read_log
-from queue_schemas.codec import encode
-from queue_schemas.messages import TokenChunk
+from plumbing.protocol.request import BEGIN_SCRIPT, chunk_commands, still_owner
+from plumbing.publisher import PipelinedPublisher
+from plumbing.replay import read_log, read_log_state
+from queue_schemas.codec import decode_channel_message, encode
+from queue_schemas.messages import MoveMark, TokenChunk
 from tests.conftest import Bus
 from tests.integration.helpers import make_request
 
@@ -73,35 +74,69 @@ async def test_the_first_chunk_goes_out_only_with_a_successful_start(bus: Bus) -
         await redis.aclose()
 
 
-async def test_chunks_are_fenced_on_the_placement_and_a_move_needs_the_log_as_it_was_read(bus: Bus) -> None:
+async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by_epoch(bus: Bus) -> None:
     settings = bus.settings(DispatcherSettings)
     assert isinstance(settings, DispatcherSettings)
     names = settings.names
+    rid = "fenced-01"
     redis = redis_client(settings)
-    chunk = redis.register_script(CHUNK_SCRIPT)
+    publisher = PipelinedPublisher(redis)
+    listener = aioredis.Redis.from_url(bus.redis_url)
+    pubsub = listener.pubsub()
 
-    async def write(worker: str, seq: int) -> int:
-        event = TokenChunk(request_id="fenced-01", seq=seq, text=f"t{seq}", num_tokens=1, token_ids=(seq,))
-        keys, args = chunk_args(names, event, encode(event), worker, 60_000, "PUBLISH")
-        return int(await chunk(keys=keys, args=args))
+    async def write(worker: str, epoch: int, seq: int) -> bool:
+        """As a worker writes a chunk; whether the request is still the worker's."""
+        event = TokenChunk(request_id=rid, seq=seq, text=f"{worker}:{seq}", num_tokens=1, token_ids=(seq,))
+        event = event.model_copy(update={"epoch": epoch})
+        commands = chunk_commands(names, event, encode(event), epoch, 60_000, "PUBLISH")
+        return still_owner(await publisher.run(commands), worker)
 
     try:
-        await redis.set(names.placement("fenced-01"), "w1")
-        assert [await write("w1", 0), await write("w1", 1)] == [1, 1]
+        await pubsub.subscribe(names.stream_channel(rid))
+        confirmed = await pubsub.get_message(timeout=1)
+        assert confirmed is not None and confirmed["type"] == "subscribe"
+        await redis.set(names.placement(rid), "w1")
+        assert [await write("w1", 0, 0), await write("w1", 0, 1)] == [True, True]
         # A dispatcher decided to move the request after reading two chunks; the old owner wrote a
         # third meanwhile: the move does not go ahead, and is decided again from the longer log.
-        assert await write("w1", 2) == 1
-        request = make_request("sim", "fenced-01")
+        stale = await read_log_state(redis, names, rid)
+        assert await write("w1", 0, 2)
+        request = make_request("sim", rid)
         held = Held(request, None, None, 0.0, moved_from="w1", taken_over=request)
         acts = Acts(redis, settings, None, "d")  # no producer: placing never dead-letters
         decision = Decision("w2")
-        assert await acts.place(held, decision, logged=2) == "changed"
-        assert await acts.place(held, decision, logged=3) == "placed"
-        assert await redis.get(names.placement("fenced-01")) == b"w2"
-        # The old owner, presumed lost but still running, can no longer add to the stream.
-        assert await write("w1", 3) == 0
-        assert await write("w2", 3) == 1
-        logged = await read_log(redis, names, "fenced-01")
-        assert [e.text for e in logged if isinstance(e, TokenChunk)] == ["t0", "t1", "t2", "t3"]
+        assert await acts.place(held, decision, stale) == "changed"
+        assert await redis.get(names.placement(rid)) == b"w1", "a refused move changes nothing"
+        log = await read_log_state(redis, names, rid)
+        assert (len(log.events), log.fields, log.epoch) == (3, 3, 0)
+        assert await acts.place(held, decision, log) == "placed"
+        assert held.request.epoch == 1, "the new worker writes under the next epoch"
+        assert await redis.get(names.placement(rid)) == b"w2"
+        # The old owner, presumed lost but still running, writes seq 3 once more: it learns it was
+        # moved, and what it wrote is never read.
+        assert not await write("w1", 0, 3)
+        assert await write("w2", 1, 3)
+        assert await write("w2", 1, 4)
+        logged = await read_log(redis, names, rid)
+        assert [e.text for e in logged if isinstance(e, TokenChunk)] == ["w1:0", "w1:1", "w1:2", "w2:3", "w2:4"]
+        # On the channel: the move's mark comes before anything written after it, so a relay that
+        # has seen it drops the old epoch's late chunk.
+        seen = []
+        while (message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)) is not None:
+            seen.append(decode_channel_message(message["data"]))
+        marks = [m for m in seen if isinstance(m, MoveMark)]
+        assert marks == [MoveMark(request_id=rid, epoch=1, seq=3)]
+        after = seen[seen.index(marks[0]) + 1 :]
+        assert [(m.epoch, m.seq) for m in after if isinstance(m, TokenChunk)] == [(0, 3), (1, 3), (1, 4)]
+        # A second move starts epoch 2 where the log had reached.
+        await redis.set(names.placement(rid), "w2")
+        again = Held(held.request, None, None, 0.0, moved_from="w2", taken_over=held.request)
+        assert await acts.place(again, Decision("w3"), await read_log_state(redis, names, rid)) == "placed"
+        assert again.request.epoch == 2
+        assert [int(p) for p in await redis.lrange(names.moves(rid), 0, -1)] == [3, 5]
+        assert 0 < await redis.pttl(names.moves(rid))
     finally:
+        await publisher.close()
+        await pubsub.aclose()
+        await listener.aclose()
         await redis.aclose()

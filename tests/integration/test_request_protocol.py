@@ -1,5 +1,6 @@
-"""A request's protocol against a real Redis: the placement script's served-already rule and the start and
-chunk scripts' owner fence decide as the Python reading of the same marks does."""
+"""A request's protocol against a real Redis: the placement script's served-already rule and the start
+script's owner fence decide as the Python reading of the same marks does, and so do a worker's chunk
+writes (`still_owner`) and the control plane's (under the epoch the request has reached)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,20 @@ import redis.asyncio as aioredis
 
 from plumbing.protocol.request import (
     BEGIN_SCRIPT,
-    CHUNK_SCRIPT,
+    CONTROL_CHUNK_SCRIPT,
     PLACE_SCRIPT,
     Begun,
     Placed,
     begin_keys,
+    chunk_commands,
+    control_chunk_args,
     place_keys,
     served_already,
+    still_owner,
 )
+from plumbing.replay import read_log
+from queue_schemas.codec import encode
+from queue_schemas.messages import ErrorChunk, TokenChunk
 from queue_schemas.names import Names
 from tests.conftest import Bus
 
@@ -49,7 +56,7 @@ async def test_the_placement_script_and_served_already_agree(store: tuple[aiored
             await redis.set(names.started(rid), started)
         if answered is not None:
             await redis.set(names.answered(rid), answered)
-        reply = await redis.eval(PLACE_SCRIPT, 5, *place_keys(names, rid), "w2", 60_000, "", 0)
+        reply = await redis.eval(PLACE_SCRIPT, 7, *place_keys(names, rid), "w2", 60_000, "")
         outcome = Placed(reply[0].decode())
         case = (owner, started, answered)
         assert (outcome is Placed.DUPLICATE) == served_already(owner, started, answered), case
@@ -64,11 +71,12 @@ async def test_a_started_request_moved_off_its_lost_owner_is_placed(
     rid = "req-moved"
     await redis.set(names.placement(rid), "w1")
     await redis.set(names.started(rid), "w1")  # served by w1 so far; w1 is lost
-    reply = await redis.eval(PLACE_SCRIPT, 5, *place_keys(names, rid), "w2", 60_000, "w1", 0)
-    assert Placed(reply[0].decode()) is Placed.PLACED
+    move: list[str | bytes | int] = ["w1", 0, 0, 0, 60_000, "PUBLISH", b"mark"]  # from w1; the log held nothing, at epoch 0
+    reply = await redis.eval(PLACE_SCRIPT, 7, *place_keys(names, rid), "w2", 60_000, *move)
+    assert (Placed(reply[0].decode()), reply[2]) == (Placed.PLACED, 1), "placed, at the next epoch"
 
 
-async def test_the_owner_fence_keeps_a_moved_workers_start_and_chunks_out(
+async def test_the_owner_fence_keeps_a_moved_workers_start_out_and_its_writes_see_the_move(
     store: tuple[aioredis.Redis, Names],
 ) -> None:
     redis, names = store
@@ -76,10 +84,26 @@ async def test_the_owner_fence_keeps_a_moved_workers_start_and_chunks_out(
     await redis.set(names.placement(rid), "w2")  # moved to w2 while w1 was presumed dead
     begun = await redis.eval(BEGIN_SCRIPT, 5, *begin_keys(names, rid), "w1", 60_000)
     assert Begun(begun.decode()) is Begun.MOVED
-    chunk_keys = [names.placement(rid), names.replay(rid), names.stream_channel(rid)]
-    assert await redis.eval(CHUNK_SCRIPT, 3, *chunk_keys, "w1", 0, b"x", 60_000, "") == 0
-    assert await redis.eval(CHUNK_SCRIPT, 3, *chunk_keys, "w2", 0, b"x", 60_000, "") == 1
-    assert await redis.eval(CHUNK_SCRIPT, 3, *chunk_keys, "", 1, b"y", 60_000, "") == 1  # a dispatcher
-    assert await redis.hlen(names.replay(rid)) == 2
+    async def write(worker: str, seq: int, epoch: int) -> bool:
+        chunk = TokenChunk(request_id=rid, seq=seq, text=worker, num_tokens=1, token_ids=(1,), epoch=epoch)
+        async with redis.pipeline(transaction=False) as pipe:
+            for command in chunk_commands(names, chunk, encode(chunk), epoch, 60_000, ""):
+                pipe.execute_command(*command)
+            replies = await pipe.execute()
+        return still_owner(replies[-1], worker)
+
+    assert not await write("w1", 0, 0)
+    assert await write("w2", 0, 0)
+    await redis.rpush(names.moves(rid), 1)  # the request moved at seq 1: epoch 1 writes from there
+    error = ErrorChunk(request_id=rid, seq=1, code="timeout", message="late")  # the control plane's
+    keys, args = control_chunk_args(names, error, encode(error), 60_000, "PUBLISH")
+    assert await redis.eval(CONTROL_CHUNK_SCRIPT, len(keys), *keys, *args) == 1
+    assert await redis.hkeys(names.replay(rid)) == [b"0", b"1.1"], "logged under the epoch reached"
+    assert [type(e) for e in await read_log(redis, names, rid)] == [TokenChunk, ErrorChunk]
     begun = await redis.eval(BEGIN_SCRIPT, 5, *begin_keys(names, rid), "w2", 60_000)
     assert Begun(begun.decode()) is Begun.OK
+
+
+def test_still_owner_reads_the_placement_as_the_fence_does() -> None:
+    assert still_owner(b"w1", "w1") and still_owner(None, "w1"), "an expired record fences nobody"
+    assert not still_owner(b"w2", "w1")

@@ -11,6 +11,7 @@ from dispatcher.hold import Held
 from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from plumbing.clients import redis_client
+from plumbing.replay import LogState
 from queue_schemas.codec import decode
 from queue_schemas.messages import InferenceRequest
 from queue_schemas.names import INBOX_FIELD
@@ -59,10 +60,10 @@ async def test_a_claim_without_its_inbox_entry_is_appended_again(bus: Bus) -> No
         await redis.set(names.started(moved.request_id), "w9")
         await redis.set(names.placement(moved.request_id), "w3")
         retry = Held(moved, None, None, 0.0, moved_from="w9")
-        assert await acts.place(retry, Decision("w4"), logged=0) == "redelivered"
+        assert await acts.place(retry, Decision("w4"), LogState([], 0, ())) == "redelivered"
         assert await inbox_ids(acts, redis, "w3") == [moved.request_id]
         await redis.set(names.started(moved.request_id), "w3")
-        assert await acts.place(retry, Decision("w4"), logged=0) == "duplicate"
+        assert await acts.place(retry, Decision("w4"), LogState([], 0, ())) == "duplicate"
 
         # Cancelled before placement: no claim, no entry.
         cancelled = make_request("sim", "req-two-step-04")

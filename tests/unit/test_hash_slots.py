@@ -25,11 +25,12 @@ from plumbing.protocol.quota import RESERVE_SCRIPT, SETTLE_SCRIPT, reserve_keys,
 from plumbing.protocol.request import (
     BEGIN_SCRIPT,
     CANCEL_SCRIPT,
-    CHUNK_SCRIPT,
+    CONTROL_CHUNK_SCRIPT,
     PLACE_SCRIPT,
     begin_keys,
     cancel_keys,
-    chunk_args,
+    chunk_commands,
+    control_chunk_args,
     place_keys,
 )
 from plumbing.protocol.teams import CLAIM_SCRIPT, claim_keys
@@ -59,7 +60,7 @@ def script_keys(rid: str) -> dict[str, list[str]]:
     """The KEYS each script is called with, built by the same functions the services call."""
     chunk = TokenChunk(request_id=rid, seq=0, text="a", num_tokens=1, token_ids=(1,))
     return {
-        "CHUNK_SCRIPT": chunk_args(NAMES, chunk, b"", "w1", 1000, "SPUBLISH")[0],
+        "CONTROL_CHUNK_SCRIPT": control_chunk_args(NAMES, chunk, b"", 1000, "SPUBLISH")[0],
         "BEGIN_SCRIPT": begin_keys(NAMES, rid),
         "PLACE_SCRIPT": place_keys(NAMES, rid),
         "RESERVE_SCRIPT": reserve_keys(NAMES, rid, "req-9", 1.7e9),
@@ -87,6 +88,17 @@ def test_every_scripts_keys_share_one_slot(ident: str) -> None:
         assert len(slots(keys)) == 1, f"{name} touches keys in several slots: {keys}"
 
 
+@pytest.mark.parametrize("ident", IDS)
+def test_a_workers_chunk_commands_share_its_requests_slot(ident: str) -> None:
+    """A worker's chunk is a pipeline of plain commands, not a script: still one slot, one node."""
+    chunk = TokenChunk(request_id=ident, seq=3, text="a", num_tokens=1, token_ids=(1,))
+    for epoch in (0, 2):
+        commands = chunk_commands(NAMES, chunk, b"x", epoch, 1000, "SPUBLISH")
+        keys = [str(command[1]) for command in commands]
+        assert len(keys) == (5 if epoch else 4), commands
+        assert slots(keys) == slots([NAMES.replay(ident)]), commands
+
+
 def test_every_script_in_the_code_is_checked_here() -> None:
     """Scripts live only in plumbing.protocol (tests/unit/test_layout.py); each one is checked here."""
     found = set()
@@ -99,7 +111,7 @@ def test_every_script_in_the_code_is_checked_here() -> None:
 
 
 SCRIPTS = [
-    CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT,
+    CONTROL_CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT, LEASE_SCRIPT,
     COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT, TAKE_SCRIPT, GIVE_SCRIPT, RESPONSE_SCRIPT,
     CLAIM_SCRIPT,
 ]  # fmt: skip

@@ -1,0 +1,107 @@
+"""Writer epochs (plumbing.replay): a request moved off a lost worker is read, and relayed, from the epoch
+that owns each sequence number, so what the lost worker still writes never reaches a client."""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ingress.relay import events
+from ingress.streams import StreamHub, Subscription
+from plumbing.replay import epoch_of, in_order, log_field
+from queue_schemas.codec import encode
+from queue_schemas.messages import (
+    ErrorChunk,
+    FinalChunk,
+    FinishReason,
+    MoveMark,
+    StreamEvent,
+    TokenChunk,
+    Usage,
+)
+
+RID = "0123456789abcdef" * 2
+
+
+class Streamed:
+    request_id = RID
+    deadline = time.time() + 60
+
+
+def token(seq: int, epoch: int, text: str = "") -> TokenChunk:
+    return TokenChunk(
+        request_id=RID, seq=seq, text=text or f"e{epoch}s{seq}", num_tokens=1, token_ids=(seq,), epoch=epoch
+    )
+
+
+def final(seq: int, epoch: int) -> FinalChunk:
+    usage = Usage(prompt_tokens=1, completion_tokens=seq + 1)
+    return FinalChunk(
+        request_id=RID, seq=seq, finish_reason=FinishReason.STOP, usage=usage, worker_id="w", epoch=epoch
+    )
+
+
+def test_a_chunk_of_epoch_0_is_logged_and_sent_as_before_epochs() -> None:
+    assert log_field(0, 7) == "7" and log_field(2, 7) == "7.2"
+    plain = TokenChunk(request_id=RID, seq=1, text="a", num_tokens=1, token_ids=(1,))
+    assert b"epoch" not in encode(plain)
+    assert b'"epoch":2' in encode(token(1, 2))
+    assert b"epoch" not in encode(ErrorChunk(request_id=RID, seq=0, code="timeout", message="m"))
+    assert b'"epoch":0' in encode(ErrorChunk(request_id=RID, seq=0, code="timeout", message="m", epoch=0))
+
+
+@given(st.lists(st.integers(0, 20), max_size=5).map(sorted), st.integers(0, 25))
+def test_the_owning_epoch_is_the_newest_begun_by_the_seq(moves: list[int], seq: int) -> None:
+    epoch = epoch_of(moves, seq)
+    assert all(point <= seq for point in moves[:epoch])
+    assert all(point > seq for point in moves[epoch:])
+
+
+def test_the_log_is_read_from_the_epoch_that_owns_each_seq() -> None:
+    # Epoch 0 wrote 0-2 and, lost but still running, 3 and 4; epoch 1 began at 3 and ended at 4; a
+    # restart of epoch 1 at 4 (epoch 2, nothing written yet) would end the log at 4.
+    written = [token(0, 0), token(1, 0), token(2, 0), token(3, 0), token(4, 0), token(3, 1), final(4, 1)]
+    raw = {log_field(c.epoch, c.seq).encode(): encode(c) for c in written}
+    got = in_order(raw, 0, (3,))
+    assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1)]
+    assert isinstance(got[-1], FinalChunk)
+    assert [(c.seq, c.epoch) for c in in_order(raw, 2, (3,))] == [(2, 0), (3, 1), (4, 1)]
+    assert [c.seq for c in in_order(raw, 0, (3, 4))] == [0, 1, 2, 3], "epoch 2 has not written seq 4"
+    assert [c.seq for c in in_order(raw, 0, ())] == [0, 1, 2, 3, 4], "unmoved: epoch 0's, as before"
+
+
+async def relayed(messages: list[bytes], logged: list[StreamEvent] | None = None) -> list[StreamEvent]:
+    sub = Subscription(cast(StreamHub, None), b"ch")
+    for message in messages:
+        sub.deliver(message)
+
+    async def read_log(request_id: str, from_seq: int) -> list[StreamEvent]:
+        return (logged or [])[from_seq:]
+
+    return [event async for event in events(sub, Streamed(), read_log)]
+
+
+async def test_the_relay_drops_a_lost_workers_chunks_once_the_request_moved() -> None:
+    mark = MoveMark(request_id=RID, epoch=1, seq=2)
+    zombie_error = ErrorChunk(request_id=RID, seq=2, code="engine_error", message="lost", epoch=0)
+    messages = [token(0, 0), token(1, 0), mark, token(2, 0), zombie_error, token(2, 1), final(3, 1)]
+    got = await relayed([encode(m) for m in messages])
+    assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert isinstance(got[-1], FinalChunk)
+
+
+async def test_a_newer_epochs_chunk_fences_the_older_one_without_its_mark() -> None:
+    # The mark was missed (the chunk of the newer epoch came first, as after a reconnect): the older
+    # epoch's late chunk is dropped all the same.
+    got = await relayed([encode(m) for m in (token(0, 0), token(1, 1), token(2, 0), final(2, 1))])
+    assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 1), (2, 1)]
+
+
+async def test_the_control_planes_error_speaks_for_any_epoch() -> None:
+    mark = MoveMark(request_id=RID, epoch=3, seq=1)
+    timeout = ErrorChunk(request_id=RID, seq=1, code="timeout", message="no worker in time")
+    got = await relayed([encode(m) for m in (token(0, 0), mark, timeout)])
+    assert got == [token(0, 0), timeout]
