@@ -82,7 +82,8 @@ def _publish(
                     )
                     payload = chunk.model_dump_json().encode()
                     # As a worker writes: logged, published, and its placement read back.
-                    await publisher.run(chunk_commands(names, chunk, payload, 0, 60_000, settings.stream_publish))
+                    command = settings.stream_publish
+                    await publisher.run(chunk_commands(names, chunk, payload, 0, 60_000, command))
                     sent += 1
                 seq += 1
                 # Each channel gets one chunk per round: a round takes len(channels) / rate seconds.

@@ -30,7 +30,7 @@ from infra.keys import create_signing_key
 from infra.launcher import ManagedProcess, spawn
 from openai_api.tokenizer import ByteTokenizer
 from plumbing.clients import consumer_options, producer_options, redis_client
-from queue_schemas.codec import decode, decode_stream_event, encode
+from queue_schemas.codec import decode, decode_channel_message, encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
     ErrorChunk,
@@ -38,6 +38,7 @@ from queue_schemas.messages import (
     Heartbeat,
     InferenceRequest,
     KvRole,
+    MoveMark,
     SamplingParams,
     StreamEvent,
     TokenChunk,
@@ -251,7 +252,9 @@ async def collect(
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
             if msg is None:
                 continue
-            event = decode_stream_event(msg["data"])
+            event = decode_channel_message(msg["data"])
+            if isinstance(event, MoveMark):
+                continue  # a move's mark, not a chunk
             if event.request_id in events:
                 events[event.request_id].append(event)
                 if not isinstance(event, TokenChunk):
@@ -261,8 +264,8 @@ async def collect(
         while time.monotonic() < linger:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
             if msg is not None:
-                event = decode_stream_event(msg["data"])
-                if event.request_id in events:
+                event = decode_channel_message(msg["data"])
+                if not isinstance(event, MoveMark) and event.request_id in events:
                     events[event.request_id].append(event)
     return events
 

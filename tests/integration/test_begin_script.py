@@ -94,7 +94,8 @@ async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by
     try:
         await pubsub.subscribe(names.stream_channel(rid))
         confirmed = await pubsub.get_message(timeout=1)
-        assert confirmed is not None and confirmed["type"] == "subscribe"
+        assert confirmed is not None
+        assert confirmed["type"] == "subscribe"
         await redis.set(names.placement(rid), "w1")
         assert [await write("w1", 0, 0), await write("w1", 0, 1)] == [True, True]
         # A dispatcher decided to move the request after reading two chunks; the old owner wrote a
@@ -118,7 +119,8 @@ async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by
         assert await write("w2", 1, 3)
         assert await write("w2", 1, 4)
         logged = await read_log(redis, names, rid)
-        assert [e.text for e in logged if isinstance(e, TokenChunk)] == ["w1:0", "w1:1", "w1:2", "w2:3", "w2:4"]
+        texts = [e.text for e in logged if isinstance(e, TokenChunk)]
+        assert texts == ["w1:0", "w1:1", "w1:2", "w2:3", "w2:4"]
         # On the channel: the move's mark comes before anything written after it, so a relay that
         # has seen it drops the old epoch's late chunk.
         seen = []
@@ -134,7 +136,7 @@ async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by
         assert await acts.place(again, Decision("w3"), await read_log_state(redis, names, rid)) == "placed"
         assert again.request.epoch == 2
         assert [int(p) for p in await redis.lrange(names.moves(rid), 0, -1)] == [3, 5]
-        assert 0 < await redis.pttl(names.moves(rid))
+        assert await redis.pttl(names.moves(rid)) > 0
     finally:
         await publisher.close()
         await pubsub.aclose()

@@ -71,7 +71,8 @@ async def test_a_started_request_moved_off_its_lost_owner_is_placed(
     rid = "req-moved"
     await redis.set(names.placement(rid), "w1")
     await redis.set(names.started(rid), "w1")  # served by w1 so far; w1 is lost
-    move: list[str | bytes | int] = ["w1", 0, 0, 0, 60_000, "PUBLISH", b"mark"]  # from w1; the log held nothing, at epoch 0
+    # From w1; the log held nothing, at epoch 0.
+    move: list[str | bytes | int] = ["w1", 0, 0, 0, 60_000, "PUBLISH", b"mark"]
     reply = await redis.eval(PLACE_SCRIPT, 7, *place_keys(names, rid), "w2", 60_000, *move)
     assert (Placed(reply[0].decode()), reply[2]) == (Placed.PLACED, 1), "placed, at the next epoch"
 
@@ -84,6 +85,7 @@ async def test_the_owner_fence_keeps_a_moved_workers_start_out_and_its_writes_se
     await redis.set(names.placement(rid), "w2")  # moved to w2 while w1 was presumed dead
     begun = await redis.eval(BEGIN_SCRIPT, 5, *begin_keys(names, rid), "w1", 60_000)
     assert Begun(begun.decode()) is Begun.MOVED
+
     async def write(worker: str, seq: int, epoch: int) -> bool:
         chunk = TokenChunk(request_id=rid, seq=seq, text=worker, num_tokens=1, token_ids=(1,), epoch=epoch)
         async with redis.pipeline(transaction=False) as pipe:
@@ -105,5 +107,6 @@ async def test_the_owner_fence_keeps_a_moved_workers_start_out_and_its_writes_se
 
 
 def test_still_owner_reads_the_placement_as_the_fence_does() -> None:
-    assert still_owner(b"w1", "w1") and still_owner(None, "w1"), "an expired record fences nobody"
+    assert still_owner(b"w1", "w1")
+    assert still_owner(None, "w1"), "an expired record fences nobody"
     assert not still_owner(b"w2", "w1")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from queue_schemas.batch import BatchAnswer, BatchSubmission, load_record, read_envelope
-from queue_schemas.codec import decode, decode_stream_event, encode
+from queue_schemas.codec import decode, decode_channel_message, decode_stream_event, encode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import (
     SCHEMA_VERSION,
@@ -67,7 +67,7 @@ SAMPLES: list[Message] = [
 
 
 def decoders() -> list[Any]:
-    return [lambda data, m=m: decode(m, data) for m in MODELS] + [decode_stream_event]
+    return [lambda data, m=m: decode(m, data) for m in MODELS] + [decode_stream_event, decode_channel_message]
 
 
 def refusals(data: bytes) -> list[str]:

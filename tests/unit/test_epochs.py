@@ -45,7 +45,8 @@ def final(seq: int, epoch: int) -> FinalChunk:
 
 
 def test_a_chunk_of_epoch_0_is_logged_and_sent_as_before_epochs() -> None:
-    assert log_field(0, 7) == "7" and log_field(2, 7) == "7.2"
+    assert log_field(0, 7) == "7"
+    assert log_field(2, 7) == "7.2"
     plain = TokenChunk(request_id=RID, seq=1, text="a", num_tokens=1, token_ids=(1,))
     assert b"epoch" not in encode(plain)
     assert b'"epoch":2' in encode(token(1, 2))
@@ -63,7 +64,8 @@ def test_the_owning_epoch_is_the_newest_begun_by_the_seq(moves: list[int], seq: 
 def test_the_log_is_read_from_the_epoch_that_owns_each_seq() -> None:
     # Epoch 0 wrote 0-2 and, lost but still running, 3 and 4; epoch 1 began at 3 and ended at 4; a
     # restart of epoch 1 at 4 (epoch 2, nothing written yet) would end the log at 4.
-    written = [token(0, 0), token(1, 0), token(2, 0), token(3, 0), token(4, 0), token(3, 1), final(4, 1)]
+    written: list[TokenChunk | FinalChunk] = [token(0, 0), token(1, 0), token(2, 0), token(3, 0)]
+    written += [token(4, 0), token(3, 1), final(4, 1)]
     raw = {log_field(c.epoch, c.seq).encode(): encode(c) for c in written}
     got = in_order(raw, 0, (3,))
     assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1)]
