@@ -2,9 +2,9 @@
 
 The first token goes out at once (time to first token matters most); later tokens are gathered for up
 to a window so a fast decoder does not cost one publish per token. The window widens with the requests
-the worker is running (`flush_window_s`): a worker decoding for many requests at once publishes fewer,
-larger chunks, so the bus's and the ingress's work per token falls as load rises, while a lightly
-loaded worker streams as smoothly as before.
+the worker is running (plumbing.window.flush_window_s): a worker decoding for many requests at once
+publishes fewer, larger chunks, so the bus's and the ingress's work per token falls as load rises,
+while a lightly loaded worker streams as smoothly as before.
 """
 
 from __future__ import annotations
@@ -13,15 +13,6 @@ from collections.abc import Callable
 
 from gpu_workers.engine import EngineOutput
 from queue_schemas.messages import FinalChunk, Resume, TokenChunk, Usage
-
-
-def flush_window_s(base_s: float, max_s: float, streams: int, knee: int) -> float:
-    """The coalescing window with `streams` requests running at the worker: `base_s` up to `knee`, then
-    in proportion to them, so the worker's chunks per second level off, up to `max_s` (a reader sees
-    text at least that often). Pure."""
-    if streams <= knee or knee <= 0:
-        return base_s
-    return max(base_s, min(max_s, base_s * streams / knee))
 
 
 class ChunkCoalescer:

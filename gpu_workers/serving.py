@@ -11,7 +11,7 @@ from dataclasses import replace
 import structlog
 from redis.exceptions import RedisError
 
-from gpu_workers.coalesce import ChunkCoalescer, flush_window_s
+from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EarlyStart, EngineError, RequestFailed
 from gpu_workers.handoff import KvTransfer
 from gpu_workers.metrics import TEAM_TOKENS
@@ -25,6 +25,7 @@ from plumbing.health import item_failed
 from plumbing.protocol.request import Begun, begin_keys
 from plumbing.quota import settle
 from plumbing.replay import log_field, log_ttl_ms
+from plumbing.window import flush_window_s
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import (

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from plumbing.window import FLUSH_BASE_MS, FLUSH_KNEE_STREAMS, FLUSH_MAX_MS
 from queue_schemas.messages import KvRole
 from queue_schemas.settings import BusSettings
 
@@ -27,12 +28,16 @@ class WorkerSettings(BusSettings):
         "(then oldest) of them",
     )
     heartbeat_ttl_ms: int = Field(default=3_000, gt=0)
-    flush_interval_ms: float = Field(default=15.0, ge=0, description="how long token deltas are coalesced")
+    flush_interval_ms: float = Field(
+        default=FLUSH_BASE_MS, ge=0, description="how long token deltas are coalesced"
+    )
     flush_knee_streams: int = Field(
-        default=16, ge=0, description="requests running at the worker past which the window widens (0: never)"
+        default=FLUSH_KNEE_STREAMS,
+        ge=0,
+        description="requests running at the worker past which the window widens (0: never)",
     )
     flush_max_ms: float = Field(
-        default=100.0, ge=0, description="the widest the coalescing window gets under load"
+        default=FLUSH_MAX_MS, ge=0, description="the widest the coalescing window gets under load"
     )
     drain_timeout_s: float = Field(default=30.0, ge=0, description="how long a draining worker finishes work")
     drain_grace_s: float = Field(

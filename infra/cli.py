@@ -267,7 +267,13 @@ def plan_command(
     requests_per_s: Annotated[
         float | None, typer.Option(help="control plane: requests per second (default: the peak)")
     ] = None,
-    chunks_per_stream_s: Annotated[float, typer.Option(help="control plane: chunks a stream sends")] = 20.0,
+    tokens_per_stream_s: Annotated[
+        float, typer.Option(min=0, help="control plane: tokens a second a stream receives")
+    ] = 20.0,
+    requests_per_worker: Annotated[
+        int,
+        typer.Option(min=1, help="control plane: requests running at each worker (its coalescing window)"),
+    ] = 128,
     pools: Annotated[int, typer.Option(min=1, help="control plane: pools sharing the traffic")] = 1,
 ) -> None:
     """Capacity arithmetic, step by step: KV bytes per token to replicas, GPUs and cost at peak; then the
@@ -307,7 +313,8 @@ def plan_command(
     rate = requests_per_s if requests_per_s is not None else peak
     streams = open_streams if open_streams is not None else round(rate * result.request_seconds)
     try:
-        control = control_plan(ControlTraffic(streams, rate, chunks_per_stream_s, pools=pools))
+        traffic = ControlTraffic(streams, rate, tokens_per_stream_s, requests_per_worker, pools=pools)
+        control = control_plan(traffic)
     except ValueError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None

@@ -9,6 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from plumbing.window import (
+    FLUSH_BASE_MS,
+    FLUSH_KNEE_STREAMS,
+    FLUSH_MAX_MS,
+    chunks_per_stream_s,
+    flush_window_s,
+)
+
 GIB = 1024**3
 
 
@@ -183,7 +191,7 @@ class ControlFigures:
     (docs/scale.md has the runs); override with figures from your own hardware."""
 
     chunks_per_shard_s: float = 74_000  # one Valkey primary (one thread), logged and sharded-published
-    replay_bytes_per_chunk: float = 200  # Redis memory per chunk held in a replay log
+    replay_bytes_per_token: float = 86  # Redis memory per token held in a replay log
     chunks_per_ingress_core_s: float = 10_800  # relayed as SSE by one ingress process
     requests_per_ingress_core_s: float = 425  # admitted: auth, tokenization, quota, produce, subscribe
     ingress_kib_per_stream: float = 76  # resident memory of an ingress per open stream
@@ -196,7 +204,8 @@ class ControlFigures:
 class ControlTraffic:
     open_streams: int
     requests_per_s: float
-    chunks_per_stream_s: float = 20.0
+    tokens_per_stream_s: float = 20.0
+    requests_per_worker: int = 128  # running at each worker: sets its coalescing window
     log_after_end_s: float = 120.0  # a replay log is kept this long after its stream ends
     pools: int = 1
     ingress_cores: int = 4  # one ingress process per core
@@ -208,10 +217,12 @@ class ControlTraffic:
 class ControlPlan:
     traffic: ControlTraffic
     figures: ControlFigures
+    window_s: float
+    chunks_per_stream_s: float
     chunks_per_s: float
     shards_for_throughput: int
     seconds_per_stream: float
-    logged_chunks: float
+    logged_tokens: float
     replay_memory_gib: float
     shards_for_memory: int
     shards: int
@@ -227,17 +238,22 @@ class ControlPlan:
         u = f.utilization
         per_pool = t.requests_per_s / t.pools
         return [
+            ("coalescing window", f"{self.window_s * 1000:.0f} ms",
+             f"{FLUSH_BASE_MS:g} ms x {t.requests_per_worker} requests per worker / {FLUSH_KNEE_STREAMS}, "
+             f"{FLUSH_BASE_MS:g} to {FLUSH_MAX_MS:g} ms (plumbing.window)"),
+            ("chunks per stream-second", f"{self.chunks_per_stream_s:g}",
+             f"min({t.tokens_per_stream_s:g} tokens/s, 1 / window)"),
             ("chunks per second", f"{self.chunks_per_s:,.0f}",
-             f"{t.open_streams:,} open streams x {t.chunks_per_stream_s} chunks/s"),
+             f"{t.open_streams:,} open streams x {self.chunks_per_stream_s:g} chunks/s"),
             ("Redis shards for throughput", f"{self.shards_for_throughput}",
              f"ceil(chunks/s / ({f.chunks_per_shard_s:,.0f} per shard x {u} utilization))"),
             ("seconds per stream", f"{self.seconds_per_stream:.1f}",
              f"{t.open_streams:,} open / {t.requests_per_s:,.0f} req/s (Little's law)"),
-            ("chunks held in replay logs", f"{self.logged_chunks:,.0f}",
-             f"open streams x half their chunks + {t.requests_per_s:,.0f} req/s x {t.log_after_end_s:.0f} s "
-             "after the end x all their chunks"),
+            ("tokens held in replay logs", f"{self.logged_tokens:,.0f}",
+             f"open streams x half their tokens + {t.requests_per_s:,.0f} req/s x {t.log_after_end_s:.0f} s "
+             "after the end x all their tokens"),
             ("replay log memory", f"{self.replay_memory_gib:,.0f} GiB",
-             f"chunks held x {f.replay_bytes_per_chunk:.0f} B"),
+             f"tokens held x {f.replay_bytes_per_token:.0f} B"),
             ("Redis shards for memory", f"{self.shards_for_memory}",
              f"ceil(replay memory / ({t.shard_memory_gib} GiB x {u}))"),
             ("Redis shards (primaries)", f"{self.shards}", "the larger; add a replica to each for failover"),
@@ -262,13 +278,17 @@ def control_plan(traffic: ControlTraffic, figures: ControlFigures = ControlFigur
     if traffic.open_streams < 0 or traffic.requests_per_s <= 0:
         raise ValueError("open streams must be >= 0 and requests per second > 0")
     u = figures.utilization
-    chunks = traffic.open_streams * traffic.chunks_per_stream_s
+    window = flush_window_s(
+        FLUSH_BASE_MS / 1000, FLUSH_MAX_MS / 1000, traffic.requests_per_worker, FLUSH_KNEE_STREAMS
+    )
+    per_stream = chunks_per_stream_s(traffic.tokens_per_stream_s, window)
+    chunks = traffic.open_streams * per_stream
     for_throughput = math.ceil(chunks / (figures.chunks_per_shard_s * u))
     seconds = traffic.open_streams / traffic.requests_per_s
-    chunks_per_answer = seconds * traffic.chunks_per_stream_s
-    logged = traffic.open_streams * chunks_per_answer / 2
-    logged += traffic.requests_per_s * traffic.log_after_end_s * chunks_per_answer
-    memory_gib = logged * figures.replay_bytes_per_chunk / GIB
+    tokens_per_answer = seconds * traffic.tokens_per_stream_s
+    logged = traffic.open_streams * tokens_per_answer / 2
+    logged += traffic.requests_per_s * traffic.log_after_end_s * tokens_per_answer
+    memory_gib = logged * figures.replay_bytes_per_token / GIB
     for_memory = math.ceil(memory_gib / (traffic.shard_memory_gib * u))
     per_pool = traffic.requests_per_s / traffic.pools
     dispatchers = max(2, math.ceil(per_pool / (figures.placements_per_dispatcher_core_s * u)))
@@ -282,7 +302,7 @@ def control_plan(traffic: ControlTraffic, figures: ControlFigures = ControlFigur
         traffic.open_streams * figures.ingress_kib_per_stream * 1024 / (traffic.ingress_memory_gib * GIB * u)
     )
     return ControlPlan(
-        traffic, figures, chunks, for_throughput, seconds, logged, memory_gib, for_memory,
+        traffic, figures, window, per_stream, chunks, for_throughput, seconds, logged, memory_gib, for_memory,
         max(1, for_throughput, for_memory), partitions, cores, for_cpu, for_streams,
         max(2, for_cpu, for_streams), dispatchers,
     )  # fmt: skip

@@ -1,7 +1,8 @@
 import pytest
 
-from gpu_workers.coalesce import ChunkCoalescer, flush_window_s
+from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EngineOutput
+from plumbing.window import chunks_per_stream_s, flush_window_s
 from queue_schemas.messages import FinalChunk, FinishReason, TokenChunk
 
 
@@ -45,6 +46,12 @@ def test_the_window_widens_with_the_streams_open_up_to_its_cap() -> None:
     assert flush_window_s(0.015, 0.1, 1000, 16) == 0.1, "never wider than the cap"
     assert flush_window_s(0.015, 0.1, 1000, 0) == 0.015, "a knee of 0 keeps it fixed"
     assert flush_window_s(0.2, 0.1, 1000, 16) == 0.2, "a cap below the base never narrows it"
+
+
+def test_a_stream_sends_a_chunk_a_token_or_a_chunk_a_window() -> None:
+    assert chunks_per_stream_s(20, 0.015) == 20, "tokens slower than the window: one each"
+    assert chunks_per_stream_s(20, 0.1) == pytest.approx(10), "faster: a chunk a window"
+    assert chunks_per_stream_s(20, 0) == 20, "no window: every token"
 
 
 def test_a_window_that_widens_mid_stream_gathers_more() -> None:

@@ -1,5 +1,7 @@
 """`sluice plan` arithmetic against values computed by hand."""
 
+from dataclasses import replace
+
 import pytest
 
 from scaler.plan import GPUS, MODELS, ControlFigures, ControlTraffic, Deployment, Workload, control_plan, plan
@@ -75,21 +77,23 @@ def test_lora_slots_come_out_of_the_kv_budget() -> None:
 
 def test_control_plane_against_hand_arithmetic() -> None:
     figures = ControlFigures(
-        chunks_per_shard_s=50_000, replay_bytes_per_chunk=200, chunks_per_ingress_core_s=4_000,
+        chunks_per_shard_s=50_000, replay_bytes_per_token=100, chunks_per_ingress_core_s=4_000,
         requests_per_ingress_core_s=100, ingress_kib_per_stream=64, placements_per_dispatcher_core_s=500,
         requests_per_partition_s=1_000, utilization=0.5,
     )  # fmt: skip
     traffic = ControlTraffic(
-        open_streams=100_000, requests_per_s=5_000, chunks_per_stream_s=10, log_after_end_s=60,
-        pools=2, ingress_cores=4, ingress_memory_gib=2, shard_memory_gib=10,
+        open_streams=100_000, requests_per_s=5_000, tokens_per_stream_s=20, requests_per_worker=128,
+        log_after_end_s=60, pools=2, ingress_cores=4, ingress_memory_gib=2, shard_memory_gib=10,
     )  # fmt: skip
     p = control_plan(traffic, figures)
-    assert p.chunks_per_s == 1_000_000  # 100,000 x 10
+    assert p.window_s == pytest.approx(0.1)  # 15 ms x 128 / 16 = 120 ms, at most 100 ms
+    assert p.chunks_per_stream_s == pytest.approx(10)  # a token every 50 ms, a chunk every 100 ms
+    assert p.chunks_per_s == pytest.approx(1_000_000)  # 100,000 x 10
     assert p.shards_for_throughput == 40  # 1e6 / (50,000 x 0.5)
     assert p.seconds_per_stream == 20  # 100,000 / 5,000
-    # 200 chunks an answer: 100,000 open x 100 + 5,000/s x 60 s x 200
-    assert p.logged_chunks == 10_000_000 + 60_000_000
-    assert p.replay_memory_gib == pytest.approx(70_000_000 * 200 / GIB)  # 13.0 GiB
+    # 400 tokens an answer: 100,000 open x 200 + 5,000/s x 60 s x 400
+    assert p.logged_tokens == 20_000_000 + 120_000_000
+    assert p.replay_memory_gib == pytest.approx(140_000_000 * 100 / GIB)  # 13.0 GiB
     assert p.shards_for_memory == 3  # 13.04 / (10 x 0.5)
     assert p.shards == 40
     assert p.dispatchers_per_pool == 10  # 2,500 req/s per pool / (500 x 0.5)
@@ -98,7 +102,12 @@ def test_control_plane_against_hand_arithmetic() -> None:
     assert p.ingress_for_cpu == 150  # 600 / 4
     assert p.ingress_for_memory == 7  # 100,000 x 64 KiB = 6.1 GiB / (2 GiB x 0.5)
     assert p.ingress_replicas == 150
-    assert len(p.steps()) == 11
+    assert len(p.steps()) == 13
+    # A lightly loaded worker keeps its 15 ms window, and a slow stream sends a chunk a token.
+    light = control_plan(replace(traffic, requests_per_worker=8, tokens_per_stream_s=20), figures)
+    assert light.chunks_per_stream_s == 20
+    fast = control_plan(replace(traffic, requests_per_worker=8, tokens_per_stream_s=200), figures)
+    assert fast.chunks_per_stream_s == pytest.approx(1 / 0.015)
     with pytest.raises(ValueError, match="requests per second"):
         control_plan(ControlTraffic(open_streams=10, requests_per_s=0))
 
