@@ -27,6 +27,21 @@ from queue_schemas.messages import (
 log = structlog.get_logger("sluice.dispatcher")
 
 
+def as_received(request: InferenceRequest) -> InferenceRequest:
+    """A request as read from its topic, with what only a dispatcher sets taken off: its handoff, its
+    placement note and its writer epoch (set by the dispatcher that places it), and a resume record (a
+    request moves only from a lost worker's inbox, never from a topic; a record claiming one would have
+    its prompt charged as if already paid for). Pure."""
+    if (
+        request.handoff is None
+        and request.placement is None
+        and request.epoch == 0
+        and request.resume is None
+    ):
+        return request
+    return request.model_copy(update={"handoff": None, "placement": None, "epoch": 0, "resume": None})
+
+
 class Intake(DispatcherState):
     async def _follow_leases(self) -> None:
         """Consume exactly the leased partitions. One given up first commits what is finished and
@@ -108,8 +123,7 @@ class Intake(DispatcherState):
                 await self.acts.dead_letter(record, str(exc))
             self.offsets.closed((record.topic, record.partition), record.offset)
             return
-        if request.handoff is not None or request.placement is not None:  # only the placing dispatcher
-            request = request.model_copy(update={"handoff": None, "placement": None})  # sets these
+        request = as_received(request)
         source = (record.topic, record.partition)
         request, produced = tracing.received(request, record.headers, record.timestamp, time.time())
         held = Held(request, source, record.offset, time.monotonic(), produced_at=produced)

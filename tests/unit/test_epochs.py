@@ -9,6 +9,7 @@ from typing import cast
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dispatcher.intake import as_received
 from ingress.relay import events
 from ingress.streams import StreamHub, Subscription
 from plumbing.replay import epoch_of, in_order, log_field
@@ -18,10 +19,13 @@ from queue_schemas.messages import (
     FinalChunk,
     FinishReason,
     MoveMark,
+    PlacementNote,
+    Resume,
     StreamEvent,
     TokenChunk,
     Usage,
 )
+from tests.integration.helpers import make_request
 
 RID = "0123456789abcdef" * 2
 
@@ -107,3 +111,19 @@ async def test_the_control_planes_error_speaks_for_any_epoch() -> None:
     timeout = ErrorChunk(request_id=RID, seq=1, code="timeout", message="no worker in time")
     got = await relayed([encode(m) for m in (token(0, 0), mark, timeout)])
     assert got == [token(0, 0), timeout]
+
+
+def test_a_record_from_a_topic_cannot_claim_what_only_a_dispatcher_sets() -> None:
+    request = make_request("sim", "req-forged-0001")
+    assert as_received(request) is request
+    resume = Resume(prompt_tokens=1, delivered_tokens=49, next_seq=5, text="x", migrations=1, max_tokens=61)
+    forged = request.model_copy(
+        update={
+            "epoch": 7,
+            "resume": resume,
+            "placement": PlacementNote(placed_at=0.0, predicted_ttft_s=0.0, uncached_tokens=0),
+        }
+    )
+    got = as_received(forged)
+    assert (got.epoch, got.resume, got.placement, got.handoff) == (0, None, None, None)
+    assert got.client_prompt_tokens == 50, "its whole prompt is the client's, and charged so"
