@@ -1,8 +1,9 @@
 """What one piece of the control plane carries: the figures docs/scale.md sizes a fleet from.
 
 `bus`: stream chunks through Redis pub/sub, one Valkey server against a three-primary Redis Cluster,
-measured in one run. Publisher processes write chunks the way workers do (the replay-log script,
-pipelined by `PipelinedPublisher`, sharded publish on the cluster) to channels of random request ids;
+measured in one run. Publisher processes write chunks the way workers do (each chunk's log write,
+expiry, publish and placement read, `chunk_commands`, pipelined by `PipelinedPublisher`, sharded
+publish on the cluster) to channels of random request ids;
 one subscriber process holds every channel through the ingress's `StreamHub` and counts what arrives.
 Two cores cannot load a Valkey shard to its limit from Python clients, so the figure per shard is the
 server's own CPU per chunk (`INFO cpu` before and after, summed over the shards): a shard is one
