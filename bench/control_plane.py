@@ -48,6 +48,7 @@ from ingress.streams import StreamHub, Subscription
 from plumbing.clients import node_client, redis_client
 from plumbing.protocol.request import chunk_commands
 from plumbing.publisher import PipelinedPublisher
+from plumbing.replay import MOVES_FIELD
 from queue_schemas.codec import decode_stream_event
 from queue_schemas.messages import FinalChunk, TokenChunk
 from queue_schemas.settings import BusSettings
@@ -356,7 +357,10 @@ async def log_bytes_per_token(url: str, sample: int = 200) -> float:
     used = tokens = 0
     try:
         async for key in redis.scan_iter(match="*:replay:*", count=500):
-            chunks = [decode_stream_event(raw) for raw in await redis.hvals(key)]
+            fields = await redis.hgetall(key)
+            chunks = [
+                decode_stream_event(raw) for name, raw in fields.items() if name != MOVES_FIELD.encode()
+            ]
             if not any(isinstance(c, FinalChunk) for c in chunks):
                 continue
             used += await redis.memory_usage(key) or 0

@@ -16,7 +16,7 @@ from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from plumbing.clients import BusUnavailable
 from plumbing.deadletter import send_dead_letter
-from plumbing.protocol.request import MOVES_OUTLIVE_LOG_MS, PLACE_SCRIPT, Placed, place_keys
+from plumbing.protocol.request import PLACE_SCRIPT, Placed, place_keys
 from plumbing.replay import LogState, log_ttl_ms
 from queue_schemas.codec import encode
 from queue_schemas.messages import MoveMark
@@ -57,7 +57,7 @@ class Acts:
         if held.moved_from is not None:
             assert log is not None, "a move is placed from its log as read"
             point = len(log.events)
-            ttl = log_ttl_ms(request.deadline, time.time(), False, request.keep_log_s) + MOVES_OUTLIVE_LOG_MS
+            ttl = log_ttl_ms(request.deadline, time.time(), False, request.keep_log_s)
             mark = MoveMark(request_id=rid, epoch=log.epoch + 1, seq=point)
             args += [log.fields, log.epoch, point, ttl, self.settings.stream_publish, encode(mark)]
         reply = await self._place(keys=place_keys(names, rid), args=args)

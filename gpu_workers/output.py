@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from openai_api.batch_bodies import completed_answer
 from plumbing.answers import AnswerSink
 from plumbing.clients import with_backoff
-from plumbing.protocol.request import chunk_commands, still_owner
+from plumbing.protocol.request import END_SCRIPT, chunk_commands, end_args, still_owner
 from plumbing.publisher import PipelinedPublisher
 from plumbing.replay import is_terminal, log_ttl_ms
 from plumbing.retry import doubling
@@ -84,12 +84,18 @@ class RequestOutput:
         ttl = log_ttl_ms(request.deadline, time.time(), is_terminal(chunk), request.keep_log_s)
         command = self._publish_command if publish else ""
         chunk = stamped(chunk, request.epoch)
-        commands = chunk_commands(self._names, chunk, encode(chunk), request.epoch, ttl, command)
+        payload = encode(chunk)
+        commands: list[tuple[str | bytes | int, ...]]
+        if is_terminal(chunk):  # checked before it is written: a moved request's end is not this one's
+            keys, args = end_args(self._names, chunk, payload, request.epoch, ttl, command)
+            commands = [("EVAL", END_SCRIPT, len(keys), *keys, *args)]
+        else:
+            commands = chunk_commands(self._names, chunk, payload, request.epoch, ttl, command)
         give_up = time.monotonic() + self._outage_s
         delays = doubling(0.05, 1.0)
         while True:
             try:
-                owner = await self._publisher.run(commands)
+                reply = await self._publisher.run(commands)
                 break
             except (RedisError, OSError) as exc:
                 delay = next(delays)
@@ -97,7 +103,7 @@ class RequestOutput:
                     raise
                 log.warning("chunk not written; retrying", request_id=chunk.request_id, error=str(exc))
                 await asyncio.sleep(delay)
-        if not still_owner(owner, self._worker_id):
+        if not (reply == 1 if is_terminal(chunk) else still_owner(reply, request.epoch)):
             raise Moved(chunk.request_id)
 
     def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:

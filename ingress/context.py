@@ -31,7 +31,7 @@ from plumbing import tracing
 from plumbing.health import Liveness
 from plumbing.protocol.request import cancel
 from plumbing.quota import settle
-from plumbing.replay import LOG_AFTER_END_MS, read_log
+from plumbing.replay import LOG_AFTER_END_MS, LogState, read_log, read_log_state
 from queue_schemas.codec import encode
 from queue_schemas.config import SluiceConfig
 from queue_schemas.messages import InferenceRequest, StreamEvent
@@ -58,8 +58,12 @@ class IngressContext:
     uploads: UploadSlots = field(default_factory=UploadSlots)  # /v1/files uploads in progress, per team
 
     async def read_log(self, request_id: str, from_seq: int) -> list[StreamEvent]:
-        """The request's replay log from `from_seq` on, to fill a gap in its stream."""
+        """The request's replay log from `from_seq` on."""
         return await read_log(self.redis, self.settings.names, request_id, from_seq)
+
+    async def read_tail(self, request_id: str, from_seq: int) -> LogState:
+        """The request's replay log from `from_seq` on and its moves, to fill a gap in its stream."""
+        return await read_log_state(self.redis, self.settings.names, request_id, from_seq)
 
     async def release(self, team: str, request_id: str) -> None:
         """Give back a reservation for a request that never reached the queue."""

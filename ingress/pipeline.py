@@ -251,7 +251,7 @@ async def serve(
             stream, ping=ctx.settings.keepalive_s, headers=headers, ping_message_factory=Ping
         )
     async with gathering(ctx, sub, inference):
-        result = await relay.collect(sub, inference, ctx.read_log, shape, plan.tool)
+        result = await relay.collect(sub, inference, ctx.read_tail, shape, plan.tool)
     return JSONResponse(result, headers=headers)
 
 
@@ -399,7 +399,7 @@ async def sse_events(
             yield frames
         sent += len(opening)
         last = 0.0
-        async for event in relay.marked_events(sub, inference, ctx.read_log):
+        async for event in relay.marked_events(sub, inference, ctx.read_tail):
             if isinstance(event, relay.Flush):  # nothing more at hand: what was made goes out now
                 if frames := b"".join(ready):
                     yield frames

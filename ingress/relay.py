@@ -3,15 +3,17 @@
 Whatever happens, the client gets exactly one terminal event: a final chunk, or an error. Chunks are
 relayed in sequence order, each once: a repeated one is dropped, and a gap (chunks published while the
 pub/sub connection was down) is filled from the request's replay log before the stream goes on. Once a
-request has moved to another worker (its MoveMark, or a chunk of the newer epoch, was seen), chunks of
-an older epoch are a lost worker's late writes and are dropped (plumbing.replay).
+request has moved to another worker (its MoveMark, a chunk of the newer epoch, or its moves in the log
+were seen), a live chunk of an older epoch than the one that owns its seq is a lost worker's late
+write and is dropped (`EpochFence`; plumbing.replay). What the log gives is taken as it is: its reader
+already took each seq from the epoch that owns it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +26,7 @@ from ingress.tracing import Relay
 from openai_api.errors import from_bus_error
 from openai_api.openai_types import ResponseShape
 from openai_api.structured import ToolCallPlan, completion_body, parse_tool_call, tool_finish
+from plumbing.replay import LogState
 from queue_schemas.codec import decode_channel_message
 from queue_schemas.errors import ErrorCode, SchemaError
 from queue_schemas.messages import (
@@ -48,8 +51,36 @@ class Streamed(Protocol):
     def deadline(self) -> float: ...
 
 
-# Reads a request's replay log from a sequence number on: (request id, seq) -> chunks in order.
-LogReader = Callable[[str, int], Awaitable[list[StreamEvent]]]
+# Reads a request's replay log from a sequence number on: (request id, seq) -> chunks in order, and the
+# request's moves.
+LogReader = Callable[[str, int], Awaitable[LogState]]
+
+
+class EpochFence:
+    """Which writer epoch owns each seq of a stream, as far as its relay has learned. Pure."""
+
+    def __init__(self) -> None:
+        self._begins: dict[int, int] = {}  # epoch -> the first seq it owns (a bound, until its mark)
+
+    def moved(self, epoch: int, seq: int) -> None:
+        """A move's mark, or the moves read from the log: `epoch` owns the seqs from `seq` on."""
+        self._begins[epoch] = seq
+
+    def learn(self, moves: Sequence[int]) -> None:
+        for epoch, seq in enumerate(moves, start=1):
+            self.moved(epoch, seq)
+
+    def stale(self, event: StreamEvent) -> bool:
+        """Whether a live chunk was written by a worker its request has moved off: its epoch is older
+        than the one that owns its seq. A chunk of an epoch not yet known shows that epoch had begun by
+        its seq. The control plane's chunks (no epoch) speak for whichever epoch the request is at."""
+        epoch = event.epoch
+        if epoch is None or not (epoch or self._begins):  # the control plane's, or never moved
+            return False
+        if epoch and event.seq < self._begins.get(epoch, event.seq + 1):
+            self._begins[epoch] = event.seq
+        owner = max((e for e, begins in self._begins.items() if begins <= event.seq), default=0)
+        return epoch < owner
 
 
 class Flush:
@@ -77,7 +108,7 @@ async def marked_events(
     message, and before reading the log. A writer that sends at each FLUSH sends the events that came
     together in one write, and never holds one back while it waits."""
     expected_seq = 0
-    epoch = 0  # the newest writer epoch seen
+    fence = EpochFence()
     backlog: deque[StreamEvent] = deque()
     while True:
         if backlog:
@@ -92,12 +123,14 @@ async def marked_events(
                 item = await sub.next(remaining)
                 if item == RESYNC:  # the connection was lost and is back: catch up from the log
                     yield FLUSH
-                    backlog.extend(await _catch_up(read_log, request, expected_seq))
+                    backlog.extend(await _catch_up(read_log, request, expected_seq, fence))
                     continue
                 message = decode_channel_message(item)
                 if isinstance(message, MoveMark):
-                    epoch = max(epoch, message.epoch)
+                    fence.moved(message.epoch, message.seq)
                     continue
+                if fence.stale(message):
+                    continue  # written by a worker the request has since moved off
                 event = message
             except TimeoutError:
                 yield _error(
@@ -115,10 +148,6 @@ async def marked_events(
             except SchemaError as exc:
                 yield _error(request, expected_seq, ErrorCode.ENGINE_ERROR, f"undecodable chunk: {exc}")
                 return
-        if event.epoch is not None:  # a worker's chunk; the control plane's speaks for every epoch
-            if event.epoch < epoch:
-                continue  # written by a worker the request has since moved off
-            epoch = event.epoch
         if isinstance(event, ErrorChunk):
             # An error ends the stream whatever its seq: a dispatcher that answers for a lost worker's
             # request may not know how many chunks the client already has.
@@ -128,7 +157,7 @@ async def marked_events(
             continue  # already relayed (seen live and again in the log)
         if event.seq > expected_seq:
             yield FLUSH
-            missed = await _catch_up(read_log, request, expected_seq)
+            missed = await _catch_up(read_log, request, expected_seq, fence)
             if not missed:
                 yield _error(
                     request,
@@ -146,10 +175,15 @@ async def marked_events(
             return
 
 
-async def _catch_up(read_log: LogReader, request: Streamed, from_seq: int) -> list[StreamEvent]:
-    """The logged chunks from `from_seq` on; none if the log cannot be read now."""
+async def _catch_up(
+    read_log: LogReader, request: Streamed, from_seq: int, fence: EpochFence
+) -> list[StreamEvent]:
+    """The logged chunks from `from_seq` on (the fence learns the request's moves); none if the log
+    cannot be read now."""
     try:
-        return await read_log(request.request_id, from_seq)
+        state = await read_log(request.request_id, from_seq)
+        fence.learn(state.moves)
+        return state.events
     except (RedisError, OSError) as exc:
         log.warning("replay log not readable", request_id=request.request_id, error=str(exc))
         return []

@@ -11,11 +11,14 @@ Writes are fenced by epoch rather than checked one by one. A request's worker wr
 request's writer epoch (InferenceRequest.epoch: 0 where it was first placed), its chunk `seq` under
 the field `log_field(epoch, seq)`, with plain pipelined commands. Each move off a lost worker starts
 the next epoch in the same step as the claim (PLACE_SCRIPT): it appends the epoch's first sequence
-number to the request's moves list and publishes a MoveMark on the stream channel. A reader takes chunk
-`seq` from the newest epoch that had begun by it (`epoch_of`), so whatever a lost worker still writes
-is never read; the ingress drops chunks of an older epoch once it has seen a newer one (ingress.relay),
-and the lost worker learns it was moved from the placement record it reads with each write. The
-control plane (a dispatcher's error, a cancel) writes under the epoch the request has reached.
+number to the log's own MOVES_FIELD (so the moves live and expire with the log, and one HGETALL reads
+both) and publishes a MoveMark on the stream channel. A reader takes chunk `seq` from the newest epoch
+that had begun by it (`epoch_of`), so whatever a lost worker still writes is never read; the ingress
+drops a live chunk of an older epoch than the one that owns its seq (ingress.relay); the lost worker
+learns it was moved from the moves it reads back with each write (`still_owner`), and its terminal
+chunk is written by a script that checks its epoch first, so it can neither end a stream nor shorten
+the log's life. The control plane (a dispatcher's error, a cancel) writes under the epoch the request
+has reached.
 
 The log lives while the request can still run and for LOG_AFTER_END_MS after its terminal chunk; a
 stored response's log (InferenceRequest.keep_log_s) until that long past the request's deadline. Every
@@ -49,6 +52,27 @@ def log_ttl_ms(deadline: float, now: float, terminal: bool, keep_s: int = 0) -> 
     if terminal:
         return LOG_AFTER_END_MS
     return max(MIN_LOG_TTL_MS, int((deadline - now) * 1000) + LOG_AFTER_END_MS)
+
+
+MOVES_FIELD = "m"  # the log's field of the first seqs of epochs 1, 2, ..., comma-separated
+
+
+def parse_moves(value: bytes | str | None) -> tuple[int, ...]:
+    """The first seqs of epochs 1, 2, ... from the log's MOVES_FIELD; none if it is missing or unreadable
+    (only the move script writes it)."""
+    text = value.decode() if isinstance(value, bytes) else (value or "")
+    try:
+        return tuple(int(point) for point in text.split(",") if point)
+    except ValueError:
+        return ()
+
+
+def epoch_lua(log_key: str) -> str:
+    """A Lua expression: the epoch the request whose log is `log_key` has reached (its moves counted)."""
+    return (
+        f"(function() local n = 0 for _ in string.gmatch(redis.call('HGET', {log_key}, '{MOVES_FIELD}') "
+        "or '', '[^,]+') do n = n + 1 end return n end)()"
+    )
 
 
 def log_field(epoch: int, seq: int) -> str:
@@ -88,7 +112,7 @@ def in_order(raw: dict[bytes, bytes], from_seq: int = 0, moves: Sequence[int] = 
 @dataclass(frozen=True, slots=True)
 class LogState:
     """A request's log as read in one step: its chunks in order, how many fields the log holds (every
-    epoch's, read or not), and the first seqs of its epochs after the first."""
+    epoch's, read or not, and its moves), and the first seqs of its epochs after the first."""
 
     events: list[StreamEvent]
     fields: int
@@ -100,30 +124,19 @@ class LogState:
         return len(self.moves)
 
 
-async def read_log_state(redis: aioredis.Redis, names: Names, request_id: str) -> LogState:
-    """The request's whole log and its epochs, read together (one round trip, one hash slot)."""
-    fields, moves = await _read(redis, names, request_id)
-    return LogState(in_order(fields, 0, moves), len(fields), moves)
+async def read_log_state(redis: aioredis.Redis, names: Names, request_id: str, from_seq: int = 0) -> LogState:
+    """The request's log from `from_seq` on and its epochs, read in one step."""
+    raw = await redis.hgetall(names.replay(request_id))
+    fields = {_as_bytes(k): _as_bytes(v) for k, v in raw.items()}
+    moves = parse_moves(fields.get(MOVES_FIELD.encode()))
+    return LogState(in_order(fields, from_seq, moves), len(fields), moves)
 
 
 async def read_log(
     redis: aioredis.Redis, names: Names, request_id: str, from_seq: int = 0
 ) -> list[StreamEvent]:
     """The request's chunks from `from_seq` on, in order, as far as the log is unbroken."""
-    fields, moves = await _read(redis, names, request_id)
-    return in_order(fields, from_seq, moves)
-
-
-async def _read(
-    redis: aioredis.Redis, names: Names, request_id: str
-) -> tuple[dict[bytes, bytes], tuple[int, ...]]:
-    # The log before its moves: a move made between the two reads then shows an epoch that has not
-    # written yet (read as the end of the log), never a lost worker's late write as if it were current.
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.hgetall(names.replay(request_id))
-        pipe.lrange(names.moves(request_id), 0, -1)
-        raw, points = await pipe.execute()
-    return {_as_bytes(k): _as_bytes(v) for k, v in raw.items()}, tuple(int(point) for point in points)
+    return (await read_log_state(redis, names, request_id, from_seq)).events
 
 
 def _as_bytes(value: bytes | str) -> bytes:

@@ -194,12 +194,9 @@ class Names:
         return f"{self.prefix}:req:{{{request_id}}}"
 
     def replay(self, request_id: str) -> str:
-        """Hash: seq -> every chunk of the request published so far (see plumbing.replay)."""
+        """Hash: every chunk of the request published so far, by epoch and seq, and its moves (see
+        plumbing.replay)."""
         return f"{self.prefix}:replay:{{{request_id}}}"
-
-    def moves(self, request_id: str) -> str:
-        """List: the first sequence number of each epoch after the first (see plumbing.replay)."""
-        return f"{self.prefix}:moves:{{{request_id}}}"
 
     def stream_record(self, request_id: str) -> str:
         """What a completion stream's events are made from, for reading it again (ingress.resume)."""

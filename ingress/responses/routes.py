@@ -163,7 +163,7 @@ async def create_response(request: Request, ctx: Context, team: Team) -> Respons
     async with gathering(ctx, sub, inference):
         events.opening()
         try:
-            async for last in relay.events(sub, record, ctx.read_log):
+            async for last in relay.events(sub, record, ctx.read_tail):
                 traced.chunk()
                 if isinstance(last, ErrorChunk):
                     raise from_bus_error(last.code, last.message)
@@ -192,7 +192,7 @@ async def sse(
     try:
         for event in unseen(events.opening(), after):
             yield _sse(event)
-        async for chunk in relay.events(sub, record, ctx.read_log, quiet_disconnect=not cancel_on_leave):
+        async for chunk in relay.events(sub, record, ctx.read_tail, quiet_disconnect=not cancel_on_leave):
             traced.chunk()
             for event in unseen(events.feed(chunk), after):
                 yield _sse(event)

@@ -83,6 +83,4 @@ class ResponseStore:
         return ResponseCancel(outcome.decode() if isinstance(outcome, bytes) else str(outcome))
 
     async def delete(self, request_id: str) -> None:
-        await self._redis.delete(
-            self._names.response(request_id), self._names.replay(request_id), self._names.moves(request_id)
-        )
+        await self._redis.delete(self._names.response(request_id), self._names.replay(request_id))

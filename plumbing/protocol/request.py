@@ -7,13 +7,12 @@ from enum import StrEnum
 
 from redis.asyncio.client import Pipeline
 
-from plumbing.replay import log_field, log_field_lua
+from plumbing.replay import MOVES_FIELD, epoch_lua, log_field, log_field_lua, parse_moves
 from queue_schemas.codec import encode
 from queue_schemas.messages import CancelNotice, StreamEvent
 from queue_schemas.names import Names
 
 CANCEL_MARK_TTL_MS = 10 * 60 * 1000  # a cancelled mark outlives any request's wait for a worker
-MOVES_OUTLIVE_LOG_MS = 120_000  # a request's moves list outlives its log: the log is never read without it
 
 
 class Placed(StrEnum):
@@ -65,22 +64,23 @@ def fenced_out_lua(placement: str, writer: str) -> str:
     return f"(function() local o = redis.call('GET', {placement}) return o and o ~= {writer} end)()"
 
 
-# KEYS: placement record, cancelled mark, replay log, started mark, answered mark, moves list, stream
-# channel (one request's slot).
+# KEYS: placement record, cancelled mark, replay log, started mark, answered mark, stream channel (one
+# request's slot).
 # ARGV: worker id, record ttl ms, lost worker it moves from ('' if new), and for a move: how many fields
 # the replay log held and which epoch it had reached when the move was decided, the seq the new epoch
-# begins at, the moves list's ttl ms, the publish command and the MoveMark to publish.
+# begins at, the log's ttl ms, the publish command and the MoveMark to publish.
 # Claims the request for the worker: 'placed', then the dispatcher appends it to the worker's inbox (the
 # worker's slot, so a second step). A move goes ahead only while the lost worker still owns the request
 # and its log is as it was read ('changed' otherwise: the log is read again); it starts the next epoch
-# (plumbing.replay), which fences the old worker out of what is read, and marks the stream so. A request
-# already claimed by another worker that has neither started it nor answered it returns 'owned' and that
-# worker: the claim may have been made by a dispatcher that died before the append, so the append is
-# made again (a worker drops a request it already holds). A request served already (`served_already`:
-# answered, or started by its owner) is a 'duplicate', unless it is being moved off that owner. Every
-# reply ends with the epoch the request's worker writes under.
+# (plumbing.replay: the seq it begins at is added to the log's moves), which fences the old worker out
+# of what is read, and marks the stream so. A request already claimed by another worker that has
+# neither started it nor answered it returns 'owned' and that worker: the claim may have been made by a
+# dispatcher that died before the append, so the append is made again (a worker drops a request it
+# already holds). A request served already (`served_already`: answered, or started by its owner) is a
+# 'duplicate', unless it is being moved off that owner. Every reply ends with the epoch the request's
+# worker writes under.
 PLACE_SCRIPT = f"""
-local epoch = redis.call('LLEN', KEYS[6])
+local epoch = {epoch_lua("KEYS[3]")}
 if redis.call('EXISTS', KEYS[2]) == 1 then return {{'cancelled', '', epoch}} end
 local owner = redis.call('GET', KEYS[1])
 if ARGV[3] == '' or owner ~= ARGV[3] then
@@ -91,9 +91,11 @@ if ARGV[3] ~= '' then
   if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[4]) or epoch ~= tonumber(ARGV[5]) then
     return {{'changed', '', epoch}}
   end
-  epoch = redis.call('RPUSH', KEYS[6], ARGV[6])
-  redis.call('PEXPIRE', KEYS[6], ARGV[7])
-  redis.call(ARGV[8], KEYS[7], ARGV[9])
+  local moves = redis.call('HGET', KEYS[3], '{MOVES_FIELD}')
+  redis.call('HSET', KEYS[3], '{MOVES_FIELD}', moves and (moves .. ',' .. ARGV[6]) or ARGV[6])
+  redis.call('PEXPIRE', KEYS[3], ARGV[7])
+  redis.call(ARGV[8], KEYS[6], ARGV[9])
+  epoch = epoch + 1
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {{'placed', ARGV[1], epoch}}
@@ -108,7 +110,6 @@ def place_keys(names: Names, request_id: str) -> list[str]:
         names.replay(request_id),
         names.started(request_id),
         names.answered(request_id),
-        names.moves(request_id),
         names.stream_channel(request_id),
     ]
 
@@ -153,40 +154,61 @@ def chunk_commands(
     publish: str,
 ) -> list[tuple[str | bytes | int, ...]]:
     """What a worker sends for one chunk of its request, pipelined (no script): the chunk into the
-    replay log under its epoch's field, the log's expiry (and the moves list's, for a moved request),
-    the publish on the stream channel (`publish` is PUBLISH or SPUBLISH; '' logs without publishing, as
-    for a batch request's progress), then a read of the placement record, last, which says whether the
-    request still belongs to the writer (`still_owner`). Every key is in the request's hash slot."""
+    replay log under its epoch's field, the log's expiry, the publish on the stream channel (`publish`
+    is PUBLISH or SPUBLISH; '' logs without publishing, as for a batch request's progress), then a read
+    of the log's moves, last, which says whether the request is still at the writer's epoch
+    (`still_owner`). A terminal chunk goes through END_SCRIPT instead (`end_args`). Every key is in
+    the request's hash slot."""
     rid = chunk.request_id
     log_key = names.replay(rid)
     commands: list[tuple[str | bytes | int, ...]] = [
         ("HSET", log_key, log_field(epoch, chunk.seq), payload),
         ("PEXPIRE", log_key, ttl_ms),
     ]
-    if epoch:
-        commands.append(("PEXPIRE", names.moves(rid), ttl_ms + MOVES_OUTLIVE_LOG_MS))
     if publish:
         commands.append((publish, names.stream_channel(rid), payload))
-    commands.append(("GET", names.placement(rid)))
+    commands.append(("HGET", log_key, MOVES_FIELD))
     return commands
 
 
-def still_owner(placement: bytes | str | None, writer: str) -> bool:
-    """Whether the request still belongs to `writer`, by its placement record as read after a write: a
-    record naming another worker means it moved (a record expired names nobody, and fences nobody, as
-    in `fenced_out_lua`)."""
-    return placement is None or _text(placement) == writer
+def still_owner(moves: bytes | str | None, epoch: int) -> bool:
+    """Whether a request is still at a writer's `epoch`, by the log's moves as read after its write: a
+    move since means another worker writes it now. `epoch_lua` counts the same in a script."""
+    return len(parse_moves(moves)) == epoch
 
 
-# KEYS: replay log, moves list, stream channel (one request's slot). ARGV: seq, the chunk (an ErrorChunk
-# with no epoch: the control plane's), log ttl ms, the publish command.
+# KEYS: replay log, stream channel (one request's slot). ARGV: the writer's epoch, the chunk's log field,
+# the chunk, log ttl ms, the publish command ('' to log only).
+# A worker's terminal chunk (final or error): written only while the request is at the writer's epoch,
+# so a worker the request moved off can neither end its stream nor cut its log's life short. Returns
+# 1, or 0 when the request has moved (nothing is written).
+END_SCRIPT = f"""
+if {epoch_lua("KEYS[1]")} ~= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if ARGV[5] ~= '' then redis.call(ARGV[5], KEYS[2], ARGV[3]) end
+return 1
+"""
+
+
+def end_args(
+    names: Names, chunk: StreamEvent, payload: bytes, epoch: int, ttl_ms: int, publish: str
+) -> tuple[list[str], list[str | bytes | int]]:
+    """KEYS and ARGV of END_SCRIPT for a worker's terminal chunk."""
+    rid = chunk.request_id
+    keys = [names.replay(rid), names.stream_channel(rid)]
+    return keys, [epoch, log_field(epoch, chunk.seq), payload, ttl_ms, publish]
+
+
+# KEYS: replay log, stream channel (one request's slot). ARGV: seq, the chunk (an ErrorChunk with no
+# epoch: the control plane's), log ttl ms, the publish command.
 # A dispatcher's chunk (its error for a request it answers), logged under the epoch the request has
 # reached and published.
 CONTROL_CHUNK_SCRIPT = f"""
-local field = {log_field_lua("redis.call('LLEN', KEYS[2])", "ARGV[1]")}
+local field = {log_field_lua(epoch_lua("KEYS[1]"), "ARGV[1]")}
 redis.call('HSET', KEYS[1], field, ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call(ARGV[4], KEYS[3], ARGV[2])
+redis.call(ARGV[4], KEYS[2], ARGV[2])
 return 1
 """
 
@@ -196,19 +218,21 @@ def control_chunk_args(
 ) -> tuple[list[str], list[str | bytes | int]]:
     """KEYS and ARGV of CONTROL_CHUNK_SCRIPT for one chunk."""
     rid = chunk.request_id
-    keys = [names.replay(rid), names.moves(rid), names.stream_channel(rid)]
+    keys = [names.replay(rid), names.stream_channel(rid)]
     return keys, [chunk.seq, payload, ttl_ms, publish]
 
 
-# KEYS: response record, cancelled mark, started mark, replay log, stream channel, moves list (one
-# request's slot). ARGV: cancel mark ttl ms, the cancelled error chunk (seq 0, no epoch: the control
-# plane's), its log ttl ms, the publish command, now.
-# Returns 'ended' when the request had not started (its stream is ended here), else 'running'.
+# KEYS: response record, cancelled mark, started mark, replay log, stream channel (one request's slot).
+# ARGV: cancel mark ttl ms, the cancelled error chunk (seq 0, no epoch: the control plane's), its log
+# ttl ms, the publish command, now.
+# Returns 'ended' when the request had not started and its log holds no chunk (its moves aside): its
+# stream is ended here, under the epoch it has reached; else 'running'.
 CANCEL_SCRIPT = f"""
 redis.call('HSETNX', KEYS[1], 'cancelled', ARGV[5])
 redis.call('SET', KEYS[2], 'response cancelled', 'PX', ARGV[1])
-if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('HLEN', KEYS[4]) == 0 then
-  redis.call('HSET', KEYS[4], {log_field_lua("redis.call('LLEN', KEYS[6])", "0")}, ARGV[2])
+local chunks = redis.call('HLEN', KEYS[4]) - redis.call('HEXISTS', KEYS[4], '{MOVES_FIELD}')
+if redis.call('EXISTS', KEYS[3]) == 0 and chunks == 0 then
+  redis.call('HSET', KEYS[4], {log_field_lua(epoch_lua("KEYS[4]"), "0")}, ARGV[2])
   redis.call('PEXPIRE', KEYS[4], ARGV[3])
   redis.call(ARGV[4], KEYS[5], ARGV[2])
   return 'ended'
@@ -221,7 +245,7 @@ def cancel_keys(names: Names, request_id: str) -> list[str]:
     """KEYS of CANCEL_SCRIPT."""
     return [
         names.response(request_id), names.cancelled(request_id), names.started(request_id),
-        names.replay(request_id), names.stream_channel(request_id), names.moves(request_id),
+        names.replay(request_id), names.stream_channel(request_id),
     ]  # fmt: skip
 
 

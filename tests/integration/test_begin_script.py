@@ -14,11 +14,11 @@ from dispatcher.placement import Decision
 from dispatcher.settings import DispatcherSettings
 from gpu_workers.starting import STARTED_MARK_TTL_MS
 from plumbing.clients import redis_client
-from plumbing.protocol.request import BEGIN_SCRIPT, chunk_commands, still_owner
+from plumbing.protocol.request import BEGIN_SCRIPT, END_SCRIPT, chunk_commands, end_args, still_owner
 from plumbing.publisher import PipelinedPublisher
 from plumbing.replay import read_log, read_log_state
 from queue_schemas.codec import decode_channel_message, encode
-from queue_schemas.messages import MoveMark, TokenChunk
+from queue_schemas.messages import FinalChunk, FinishReason, MoveMark, TokenChunk, Usage
 from tests.conftest import Bus
 from tests.integration.helpers import make_request
 
@@ -85,11 +85,21 @@ async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by
     pubsub = listener.pubsub()
 
     async def write(worker: str, epoch: int, seq: int) -> bool:
-        """As a worker writes a chunk; whether the request is still the worker's."""
-        event = TokenChunk(request_id=rid, seq=seq, text=f"{worker}:{seq}", num_tokens=1, token_ids=(seq,))
-        event = event.model_copy(update={"epoch": epoch})
+        """As a worker writes a chunk; whether the request is still at the worker's epoch."""
+        event = TokenChunk(
+            request_id=rid, seq=seq, text=f"{worker}:{seq}", num_tokens=1, token_ids=(seq,), epoch=epoch
+        )
         commands = chunk_commands(names, event, encode(event), epoch, 60_000, "PUBLISH")
-        return still_owner(await publisher.run(commands), worker)
+        return still_owner(await publisher.run(commands), epoch)
+
+    async def end(epoch: int, seq: int) -> int:
+        """As a worker writes its final chunk."""
+        usage = Usage(prompt_tokens=1, completion_tokens=seq + 1)
+        final = FinalChunk(
+            request_id=rid, seq=seq, finish_reason=FinishReason.STOP, usage=usage, worker_id="w", epoch=epoch
+        )
+        keys, args = end_args(names, final, encode(final), epoch, 5_000, "PUBLISH")
+        return int(await publisher.run([("EVAL", END_SCRIPT, len(keys), *keys, *args)]))
 
     try:
         await pubsub.subscribe(names.stream_channel(rid))
@@ -114,8 +124,11 @@ async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by
         assert held.request.epoch == 1, "the new worker writes under the next epoch"
         assert await redis.get(names.placement(rid)) == b"w2"
         # The old owner, presumed lost but still running, writes seq 3 once more: it learns it was
-        # moved, and what it wrote is never read.
+        # moved, and what it wrote is never read; its end is not written at all.
         assert not await write("w1", 0, 3)
+        assert await end(0, 4) == 0
+        ttl = await redis.pttl(names.replay(rid))
+        assert ttl > 5_000, "the lost worker's end did not cut the log's life short"
         assert await write("w2", 1, 3)
         assert await write("w2", 1, 4)
         logged = await read_log(redis, names, rid)
@@ -129,14 +142,19 @@ async def test_a_move_needs_the_log_as_it_was_read_and_fences_the_lost_worker_by
         marks = [m for m in seen if isinstance(m, MoveMark)]
         assert marks == [MoveMark(request_id=rid, epoch=1, seq=3)]
         after = seen[seen.index(marks[0]) + 1 :]
+        assert not any(isinstance(m, FinalChunk) for m in after), "the lost worker's end never went out"
         assert [(m.epoch, m.seq) for m in after if isinstance(m, TokenChunk)] == [(0, 3), (1, 3), (1, 4)]
         # A second move starts epoch 2 where the log had reached.
         await redis.set(names.placement(rid), "w2")
         again = Held(held.request, None, None, 0.0, moved_from="w2", taken_over=held.request)
         assert await acts.place(again, Decision("w3"), await read_log_state(redis, names, rid)) == "placed"
         assert again.request.epoch == 2
-        assert [int(p) for p in await redis.lrange(names.moves(rid), 0, -1)] == [3, 5]
-        assert await redis.pttl(names.moves(rid)) > 0
+        assert (await read_log_state(redis, names, rid)).moves == (3, 5)
+        assert not await write("w2", 1, 5), "w2 learns it was moved as w1 did"
+        assert await end(2, 5) == 1
+        final = (await read_log(redis, names, rid))[-1]
+        assert isinstance(final, FinalChunk)
+        assert (final.seq, final.epoch) == (5, 2)
     finally:
         await publisher.close()
         await pubsub.aclose()

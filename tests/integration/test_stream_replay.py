@@ -19,7 +19,7 @@ from infra.launcher import ManagedProcess, free_port, start_redis
 from ingress.relay import events
 from ingress.streams import StreamHub
 from plumbing.clients import redis_client
-from plumbing.replay import read_log
+from plumbing.replay import LogState, read_log, read_log_state
 from queue_schemas.codec import encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import ErrorChunk, FinalChunk, FinishReason, StreamEvent, TokenChunk, Usage
@@ -64,8 +64,8 @@ async def test_a_stream_goes_on_without_a_gap_through_a_redis_restart(
             sub = await hub.subscribe(names.stream_channel(req.request_id))
             await p.producer.send_and_wait(names.requests_topic("sim"), encode(req), key=b"k")
 
-            async def read(rid: str, from_seq: int) -> list[StreamEvent]:
-                return await read_log(p.redis, names, rid, from_seq)
+            async def read(rid: str, from_seq: int) -> LogState:
+                return await read_log_state(p.redis, names, rid, from_seq)
 
             seen: list[StreamEvent] = []
             async for event in events(sub, req, read):
@@ -132,8 +132,8 @@ async def test_a_last_chunk_published_while_the_hub_reconnects_still_ends_the_st
         assert killed == 1, "the hub's pub/sub connection, the only one on this server"
         assert await publish(last) == 0, "the final chunk was published while the hub was disconnected"
 
-        async def read(rid: str, from_seq: int) -> list[StreamEvent]:
-            return await read_log(writer, names, rid, from_seq)
+        async def read(rid: str, from_seq: int) -> LogState:
+            return await read_log_state(writer, names, rid, from_seq)
 
         seen = [event async for event in events(sub, req, read)]
         await sub.close()

@@ -6,13 +6,10 @@ from __future__ import annotations
 import time
 from typing import cast
 
-from hypothesis import given
-from hypothesis import strategies as st
-
 from dispatcher.intake import as_received
-from ingress.relay import events
-from ingress.streams import StreamHub, Subscription
-from plumbing.replay import epoch_of, in_order, log_field
+from ingress.relay import EpochFence, events
+from ingress.streams import RESYNC, StreamHub, Subscription
+from plumbing.replay import LogState, epoch_of, in_order, log_field, parse_moves
 from queue_schemas.codec import encode
 from queue_schemas.messages import (
     ErrorChunk,
@@ -58,11 +55,12 @@ def test_a_chunk_of_epoch_0_is_logged_and_sent_as_before_epochs() -> None:
     assert b'"epoch":0' in encode(ErrorChunk(request_id=RID, seq=0, code="timeout", message="m", epoch=0))
 
 
-@given(st.lists(st.integers(0, 20), max_size=5).map(sorted), st.integers(0, 25))
-def test_the_owning_epoch_is_the_newest_begun_by_the_seq(moves: list[int], seq: int) -> None:
-    epoch = epoch_of(moves, seq)
-    assert all(point <= seq for point in moves[:epoch])
-    assert all(point > seq for point in moves[epoch:])
+def test_moves_read_from_the_log() -> None:
+    assert parse_moves(b"3,3,7") == (3, 3, 7)
+    assert parse_moves(None) == ()
+    assert parse_moves(b"x,1") == (), "unreadable: as if never moved"
+    assert epoch_of((3, 3, 7), 3) == 2, "two moves at one seq: the later owns it"
+    assert epoch_of((0,), 0) == 1, "a restart before any chunk"
 
 
 def test_the_log_is_read_from_the_epoch_that_owns_each_seq() -> None:
@@ -79,13 +77,20 @@ def test_the_log_is_read_from_the_epoch_that_owns_each_seq() -> None:
     assert [c.seq for c in in_order(raw, 0, ())] == [0, 1, 2, 3, 4], "unmoved: epoch 0's, as before"
 
 
-async def relayed(messages: list[bytes], logged: list[StreamEvent] | None = None) -> list[StreamEvent]:
+async def relayed(
+    messages: list[bytes], logged: list[StreamEvent] | None = None, moves: tuple[int, ...] = ()
+) -> list[StreamEvent]:
     sub = Subscription(cast(StreamHub, None), b"ch")
     for message in messages:
         sub.deliver(message)
+    reads = 0
 
-    async def read_log(request_id: str, from_seq: int) -> list[StreamEvent]:
-        return (logged or [])[from_seq:]
+    async def read_log(request_id: str, from_seq: int) -> LogState:
+        nonlocal reads
+        reads += 1
+        assert reads < 10, "the relay reads the log again and again"
+        raw = {log_field(c.epoch or 0, c.seq).encode(): encode(c) for c in logged or []}
+        return LogState(in_order(raw, from_seq, moves), len(raw), moves)
 
     return [event async for event in events(sub, Streamed(), read_log)]
 
@@ -100,10 +105,42 @@ async def test_the_relay_drops_a_lost_workers_chunks_once_the_request_moved() ->
 
 
 async def test_a_newer_epochs_chunk_fences_the_older_one_without_its_mark() -> None:
-    # The mark was missed (the chunk of the newer epoch came first, as after a reconnect): the older
-    # epoch's late chunk is dropped all the same.
+    # The mark was missed (the chunk of the newer epoch came first): the older epoch's late chunk at a
+    # seq the newer one owns is dropped all the same.
     got = await relayed([encode(m) for m in (token(0, 0), token(1, 1), token(2, 0), final(2, 1))])
     assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 1), (2, 1)]
+
+
+async def test_the_old_epochs_chunks_below_the_move_still_come_from_the_log() -> None:
+    # The lost worker logged seq 1 but its publish never went out; the move began epoch 1 at seq 2. The
+    # relay sees epoch 1's chunk first, reads the log for seq 1 (epoch 0's, and rightly so) and goes on.
+    logged: list[StreamEvent] = [token(0, 0), token(1, 0), token(2, 1), final(3, 1)]
+    mark = MoveMark(request_id=RID, epoch=1, seq=2)
+    got = await relayed([encode(m) for m in (token(0, 0), mark, token(2, 1), final(3, 1))], logged, (2,))
+    assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+async def test_after_a_reconnect_the_moves_in_the_log_fence_the_lost_worker() -> None:
+    # The mark went out while the relay was disconnected; the log read on RESYNC shows the move, so the
+    # lost worker's late end (it had not yet learned it was moved) never reaches the client.
+    logged: list[StreamEvent] = [token(0, 0), token(1, 0)]
+    late = ErrorChunk(request_id=RID, seq=2, code="engine_error", message="lost", epoch=0)
+    got = await relayed(
+        [encode(token(0, 0)), RESYNC, encode(late), encode(token(2, 1)), encode(final(3, 1))], logged, (2,)
+    )
+    assert [(c.seq, c.epoch) for c in got] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def test_the_fence_knows_the_owner_of_each_seq() -> None:
+    fence = EpochFence()
+    assert not fence.stale(token(5, 0)), "never moved"
+    fence.learn((3, 6))
+    assert not fence.stale(token(2, 0)), "below the first move: epoch 0's"
+    assert fence.stale(token(3, 0))
+    assert not fence.stale(token(4, 1))
+    assert fence.stale(token(6, 1))
+    assert not fence.stale(token(6, 2))
+    assert not fence.stale(ErrorChunk(request_id=RID, seq=9, code="timeout", message="m"))
 
 
 async def test_the_control_planes_error_speaks_for_any_epoch() -> None:

@@ -26,11 +26,13 @@ from plumbing.protocol.request import (
     BEGIN_SCRIPT,
     CANCEL_SCRIPT,
     CONTROL_CHUNK_SCRIPT,
+    END_SCRIPT,
     PLACE_SCRIPT,
     begin_keys,
     cancel_keys,
     chunk_commands,
     control_chunk_args,
+    end_args,
     place_keys,
 )
 from plumbing.protocol.teams import CLAIM_SCRIPT, claim_keys
@@ -61,6 +63,7 @@ def script_keys(rid: str) -> dict[str, list[str]]:
     chunk = TokenChunk(request_id=rid, seq=0, text="a", num_tokens=1, token_ids=(1,))
     return {
         "CONTROL_CHUNK_SCRIPT": control_chunk_args(NAMES, chunk, b"", 1000, "SPUBLISH")[0],
+        "END_SCRIPT": end_args(NAMES, chunk, b"", 1, 1000, "SPUBLISH")[0],
         "BEGIN_SCRIPT": begin_keys(NAMES, rid),
         "PLACE_SCRIPT": place_keys(NAMES, rid),
         "RESERVE_SCRIPT": reserve_keys(NAMES, rid, "req-9", 1.7e9),
@@ -95,7 +98,7 @@ def test_a_workers_chunk_commands_share_its_requests_slot(ident: str) -> None:
     for epoch in (0, 2):
         commands = chunk_commands(NAMES, chunk, b"x", epoch, 1000, "SPUBLISH")
         keys = [str(command[1]) for command in commands]
-        assert len(keys) == (5 if epoch else 4), commands
+        assert len(keys) == 4, commands
         assert slots(keys) == slots([NAMES.replay(ident)]), commands
 
 
@@ -111,8 +114,8 @@ def test_every_script_in_the_code_is_checked_here() -> None:
 
 
 SCRIPTS = [
-    CONTROL_CHUNK_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT, MEMBERS_SCRIPT,
-    LEASE_SCRIPT, COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT, TAKE_SCRIPT, GIVE_SCRIPT, RESPONSE_SCRIPT,
+    CONTROL_CHUNK_SCRIPT, END_SCRIPT, BEGIN_SCRIPT, PLACE_SCRIPT, RESERVE_SCRIPT, SETTLE_SCRIPT,
+    MEMBERS_SCRIPT, LEASE_SCRIPT, COLLECT_SCRIPT, TRANSITION_SCRIPT, CANCEL_SCRIPT, TAKE_SCRIPT, GIVE_SCRIPT, RESPONSE_SCRIPT,
     CLAIM_SCRIPT,
 ]  # fmt: skip
 

@@ -10,6 +10,7 @@ from typing import cast
 
 from ingress.relay import FLUSH, Flush, marked_events
 from ingress.streams import RESYNC, StreamHub, Subscription
+from plumbing.replay import LogState
 from queue_schemas.codec import encode
 from queue_schemas.messages import FinalChunk, FinishReason, StreamEvent, TokenChunk, Usage
 
@@ -51,8 +52,8 @@ async def test_chunks_at_hand_go_together_and_a_mark_comes_before_every_wait() -
     sub = Subscription(cast(StreamHub, None), b"ch")
     logged: list[StreamEvent] = [token(0), token(1), token(2), token(3), final(4)]
 
-    async def read_log(request_id: str, from_seq: int) -> list[StreamEvent]:
-        return logged[from_seq:]
+    async def read_log(request_id: str, from_seq: int) -> LogState:
+        return LogState(logged[from_seq:], len(logged), ())
 
     stream = marked_events(sub, Streamed(), read_log)
     seen: list[StreamEvent | Flush] = []
@@ -74,8 +75,8 @@ async def test_a_gap_is_marked_before_the_log_is_read() -> None:
     sub = Subscription(cast(StreamHub, None), b"ch")
     logged: list[StreamEvent] = [token(0), token(1), final(2)]
 
-    async def read_log(request_id: str, from_seq: int) -> list[StreamEvent]:
-        return logged[from_seq:]
+    async def read_log(request_id: str, from_seq: int) -> LogState:
+        return LogState(logged[from_seq:], len(logged), ())
 
     sub.deliver(encode(token(0)))
     sub.deliver(encode(final(2)))  # chunk 1 was missed
