@@ -67,14 +67,6 @@ def parse_moves(value: bytes | str | None) -> tuple[int, ...]:
         return ()
 
 
-def epoch_lua(log_key: str) -> str:
-    """A Lua expression: the epoch the request whose log is `log_key` has reached (its moves counted)."""
-    return (
-        f"(function() local n = 0 for _ in string.gmatch(redis.call('HGET', {log_key}, '{MOVES_FIELD}') "
-        "or '', '[^,]+') do n = n + 1 end return n end)()"
-    )
-
-
 def log_field(epoch: int, seq: int) -> str:
     """The log field chunk `seq` is written under by a writer of `epoch`: the seq alone at epoch 0 (a
     request never moved), so most logs carry no epoch at all. `log_field_lua` is the same in a script."""

@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from redis.asyncio.client import Pipeline
 
-from plumbing.replay import MOVES_FIELD, epoch_lua, log_field, log_field_lua, parse_moves
+from plumbing.replay import MOVES_FIELD, log_field, log_field_lua, parse_moves
 from queue_schemas.codec import encode
 from queue_schemas.messages import CancelNotice, StreamEvent
 from queue_schemas.names import Names
@@ -56,6 +56,14 @@ def _text(value: bytes | str | None) -> str | None:
 def served_already_lua(owner: str, started: str, answered: str) -> str:
     """`served_already` as a Lua condition, given the owner's value and the keys of the two marks."""
     return f"(({owner} and redis.call('GET', {started}) == {owner}) or redis.call('EXISTS', {answered}) == 1)"
+
+
+def epoch_lua(log_key: str) -> str:
+    """A Lua expression: the epoch the request whose log is `log_key` has reached (its moves counted)."""
+    return (
+        f"(function() local n = 0 for _ in string.gmatch(redis.call('HGET', {log_key}, '{MOVES_FIELD}') "
+        "or '', '[^,]+') do n = n + 1 end return n end)()"
+    )
 
 
 def fenced_out_lua(placement: str, writer: str) -> str:

@@ -20,7 +20,7 @@ from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.simulated import SimulatedEngine
 from ingress.relay import LocalError, events
 from ingress.streams import RESYNC, HubDisconnected
-from plumbing.replay import in_order
+from plumbing.replay import LogState, in_order
 from queue_schemas.codec import encode
 from queue_schemas.config import SimulatedEngineConfig
 from queue_schemas.messages import (
@@ -165,8 +165,8 @@ class Feed:
 
 
 def relay(feed: Feed, log: list[TokenChunk | FinalChunk]) -> list[StreamEvent]:
-    async def read(request_id: str, from_seq: int) -> list[StreamEvent]:
-        return in_order({str(c.seq).encode(): encode(c) for c in log}, from_seq)
+    async def read(request_id: str, from_seq: int) -> LogState:
+        return LogState(in_order({str(c.seq).encode(): encode(c) for c in log}, from_seq), len(log), ())
 
     async def go() -> list[StreamEvent]:
         return [e async for e in events(feed, request(), read)]  # type: ignore[arg-type]
