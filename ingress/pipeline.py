@@ -17,7 +17,6 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from redis.exceptions import RedisError
-from sse_starlette import EventSourceResponse
 
 from ingress import relay, tracing
 from ingress.auth import Caller
@@ -34,6 +33,7 @@ from ingress.resume import (
     sse_frame,
     token_matches,
 )
+from ingress.sse_response import SseResponse
 from ingress.streams import RESYNC, HubDisconnected, Subscription
 from openai_api import admission
 from openai_api.errors import (
@@ -247,9 +247,7 @@ async def serve(
         except RedisError as exc:  # the stream runs; it cannot be read again elsewhere
             log.warning("stream record not saved", request_id=inference.request_id, error=str(exc))
         stream = sse_events(ctx, sub, inference, relay.SseFormatter(shape, body.include_usage(), plan.tool))
-        return EventSourceResponse(
-            stream, ping=ctx.settings.keepalive_s, headers=headers, ping_message_factory=Ping
-        )
+        return SseResponse(stream, ping=ctx.settings.keepalive_s, headers=headers, ping_message_factory=Ping)
     async with gathering(ctx, sub, inference):
         result = await relay.collect(sub, inference, ctx.read_tail, shape, plan.tool)
     return JSONResponse(result, headers=headers)
@@ -342,7 +340,7 @@ async def read_again(
     ACTIVE_STREAMS.labels(record.pool).inc()
     fmt = relay.SseFormatter(shape, record.include_usage, record.tool)
     stream = sse_events(ctx, sub, record, fmt, after=seen)
-    return EventSourceResponse(
+    return SseResponse(
         stream,
         ping=ctx.settings.keepalive_s,
         headers={STREAM_HEADER: record.path()},

@@ -29,13 +29,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
+from ingress.pubsub_replies import (
+    MESSAGES,
+    SUBSCRIBED,
+    UNSUBSCRIBED,
+    channel_of,
+    forget_unsubscribed,
+    read_replies,
+    reply_kind,
+)
 from plumbing.clients import as_cluster
 from plumbing.health import Liveness, item_failed
 from plumbing.retry import doubling
@@ -60,12 +68,6 @@ class HubDisconnected(Exception):
 def reader_name(shard: str) -> str:
     """A connection's reader, as its task and /healthz name it."""
     return f"stream-hub-{shard}"
-
-
-def channel_of(msg: object) -> bytes | None:
-    """The channel a pub/sub message names, if it names one."""
-    channel = msg.get("channel") if isinstance(msg, dict) else None
-    return channel if isinstance(channel, bytes) else None
 
 
 class Subscription:
@@ -432,35 +434,37 @@ class StreamHub:
         # of the log that follows it misses nothing published later.
         pending = {self._control, *channels}
         while pending:
-            msg = await shard.pubsub.get_message(timeout=SUBSCRIBE_TIMEOUT_S)
-            if msg is None:
+            replies = await read_replies(shard.pubsub, SUBSCRIBE_TIMEOUT_S)
+            if not replies:
                 raise OSError("pub/sub subscriptions were not confirmed")
-            if msg["type"] in ("subscribe", "ssubscribe"):
-                pending.discard(msg["channel"])
-            await self._route_one(shard, msg)
+            for reply in replies:
+                if reply_kind(reply) in SUBSCRIBED and (channel := channel_of(reply)) is not None:
+                    pending.discard(channel)
+                await self._route_one(shard, reply)
         shard.connected.set()
         for key in channels:
             self._deliver(key, RESYNC)
 
     async def _read_forever(self, shard: _Shard) -> None:
+        """Route what the connection receives, a batch per wake-up, beating at least once a second."""
         assert shard.pubsub is not None
         while True:
             self.liveness.beat(reader_name(shard.name))
-            msg = await shard.pubsub.get_message(timeout=1.0)
-            if msg is not None:
-                await self._route_one(shard, msg)
+            for reply in await read_replies(shard.pubsub, 1.0):
+                await self._route_one(shard, reply)
 
-    async def _route_one(self, shard: _Shard, msg: dict[str, Any]) -> None:
-        """Route one message; one that cannot be routed is dropped alone, and its channel's readers
-        (if it names one) catch up from the log. A connection failure is raised to the reader."""
+    async def _route_one(self, shard: _Shard, reply: object) -> None:
+        """Route one reply (as Redis sent it); one that cannot be routed is dropped alone, and its
+        channel's readers (if it names one) catch up from the log. A connection failure is raised to the
+        reader."""
         try:
-            await self._route(shard, msg)
+            await self._route(shard, reply)
         except (RedisError, OSError):
             raise
         except Exception as exc:
             item_failed(HUB_ITEMS)
             log.error("a pub/sub message could not be routed; dropped", shard=shard.name, exc_info=exc)
-            channel = channel_of(msg)
+            channel = channel_of(reply)
             if channel is not None:
                 self._deliver(channel, RESYNC)
 
@@ -476,18 +480,24 @@ class StreamHub:
                 log.error("a stream message could not be handed over; its reader ends", exc_info=exc)
                 sub.fail(HubDisconnected("the stream could not be delivered"))
 
-    async def _route(self, shard: _Shard, msg: dict[str, Any]) -> None:
-        kind, channel = msg["type"], msg["channel"]
-        if kind in ("message", "smessage"):
-            self._deliver(channel, msg["data"])
-        elif kind in ("subscribe", "ssubscribe"):
-            fut = self._confirm.get(channel)
+    async def _route(self, shard: _Shard, reply: object) -> None:
+        if not isinstance(reply, list) or not reply:
+            return  # a bare PONG
+        kind = reply[0]
+        if kind in MESSAGES:
+            self._deliver(reply[1], reply[2])
+        elif kind in SUBSCRIBED:
+            fut = self._confirm.get(reply[1])
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        elif kind == "sunsubscribe" and channel in self._subs and channel in shard.channels:
-            # Not asked for: the channel's slot moved to another primary.
-            log.info("stream slot moved; following it", shard=shard.name)
-            await self._rehome({channel})
+        elif kind in UNSUBSCRIBED:
+            assert shard.pubsub is not None
+            await forget_unsubscribed(shard.pubsub, reply)
+            channel = reply[1]
+            if kind == b"sunsubscribe" and channel in self._subs and channel in shard.channels:
+                # Not asked for: the channel's slot moved to another primary.
+                log.info("stream slot moved; following it", shard=shard.name)
+                await self._rehome({channel})
 
     def _fail(self, shard: _Shard, exc: BaseException) -> None:
         for key in list(shard.channels):

@@ -11,6 +11,7 @@ from queue_schemas.errors import SchemaError
 from queue_schemas.messages import SCHEMA_VERSION, ChannelMessage, StreamEvent
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _stream_event_adapter: TypeAdapter[StreamEvent] = TypeAdapter(StreamEvent)
@@ -55,19 +56,28 @@ def decode(model: type[M], data: bytes | str) -> M:
         raise SchemaError(f"invalid {model.__name__}: {_describe(exc)}") from None
 
 
-def decode_stream_event(data: bytes | str) -> StreamEvent:
-    """Decode a chunk published on a request's stream channel (tokens, final or error)."""
+def _decode_union(adapter: TypeAdapter[T], data: bytes | str, what: str) -> T:
+    """A message of a stream, parsed and validated in one pass by pydantic. What that refuses is read again
+    as `decode` reads a message, so it is refused (or, where only the JSON parsers differ, accepted) for
+    the same reason as by `decode`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise SchemaError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return adapter.validate_json(data)
+    except ValidationError:
+        pass
     obj = _load_object(data)
     try:
-        return _stream_event_adapter.validate_python(obj)
+        return adapter.validate_python(obj)
     except ValidationError as exc:
-        raise SchemaError(f"invalid stream event: {_describe(exc)}") from None
+        raise SchemaError(f"invalid {what}: {_describe(exc)}") from None
+
+
+def decode_stream_event(data: bytes | str) -> StreamEvent:
+    """Decode a chunk published on a request's stream channel (tokens, final or error)."""
+    return _decode_union(_stream_event_adapter, data, "stream event")
 
 
 def decode_channel_message(data: bytes | str) -> ChannelMessage:
     """Decode a message on a request's stream channel: a chunk, or the mark of a move."""
-    obj = _load_object(data)
-    try:
-        return _channel_adapter.validate_python(obj)
-    except ValidationError as exc:
-        raise SchemaError(f"invalid stream message: {_describe(exc)}") from None
+    return _decode_union(_channel_adapter, data, "stream message")

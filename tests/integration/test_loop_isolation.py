@@ -215,7 +215,7 @@ async def test_a_stream_message_that_cannot_be_handed_over_ends_its_reader_alone
         assert failed_count("ingress.stream_hub") == before + 1
 
         # A message that names its channel but cannot be routed is dropped: its readers catch up.
-        await hub._route_one(hub._shards["single"], {"type": "message", "channel": other_channel.encode()})
+        await hub._route_one(hub._shards["single"], [b"message", other_channel.encode()])
         assert await other.next(5) == RESYNC
         await publisher.publish(other_channel, b"three")
         assert await other.next(5) == b"three"

@@ -1,8 +1,9 @@
 import json
+from collections.abc import Callable
 
 import pytest
 
-from queue_schemas.codec import decode, decode_stream_event, encode
+from queue_schemas.codec import decode, decode_channel_message, decode_stream_event, encode
 from queue_schemas.errors import SchemaError
 from queue_schemas.messages import (
     ErrorChunk,
@@ -77,3 +78,49 @@ def test_oversized_message_is_refused() -> None:
 def test_request_id_must_be_safe_for_key_names() -> None:
     with pytest.raises(ValueError, match="request_id"):
         make_request(request_id="has spaces and : colons")
+
+
+CHUNK = TokenChunk(request_id="r" * 16, seq=0, text="hi", num_tokens=1)
+
+
+@pytest.mark.parametrize("decoder", [decode_stream_event, decode_channel_message])
+def test_a_stream_message_is_parsed_once_by_pydantic(
+    decoder: Callable[[bytes], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(data: object) -> object:
+        raise AssertionError("read a second time")
+
+    monkeypatch.setattr(json, "loads", refuse)
+    assert decoder(encode(CHUNK)) == CHUNK
+
+
+@pytest.mark.parametrize("decoder", [decode_stream_event, decode_channel_message])
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xff\xfe", "not valid JSON"),
+        (b"{not json", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON: nested too deeply"),
+        (b"[1, 2]", "expected a JSON object, got list"),
+        (b'{"request_id": "x"}', "unsupported schema version None"),
+        (b'{"v": 2, "kind": "tokens"}', "unsupported schema version 2"),
+        (b'{"v": 1, "kind": "nope"}', r"invalid stream (event|message): <root>: Input tag 'nope'"),
+        (b" " * (5 * 1024 * 1024), "exceeds"),
+        (encode(CHUNK).replace(b'"seq":0', b'"seq":' + b"9" * 5000), "not valid JSON"),
+    ],
+)
+def test_a_stream_message_is_refused_with_the_reason_decode_gives(
+    decoder: Callable[[bytes], object], payload: bytes, reason: str
+) -> None:
+    with pytest.raises(SchemaError, match=reason):
+        decoder(payload)
+
+
+@pytest.mark.parametrize("decoder", [decode_stream_event, decode_channel_message])
+def test_a_stream_message_json_loads_reads_is_still_read(decoder: Callable[[bytes], object]) -> None:
+    text = encode(CHUNK).decode()
+    assert decoder(text.encode("utf-16")) == CHUNK, "UTF-16, which only the standard library reads"
+    assert decoder(text.replace('"text":"hi"', '"text":"\\ud800"').encode()) == CHUNK.model_copy(
+        update={"text": "\ud800"}
+    ), "a lone surrogate"
+    assert decoder(text.replace('"seq":0', '"seq":0,"seq":3').encode()) == CHUNK.model_copy(update={"seq": 3})

@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from gpu_workers.presence import STALE_FLOOR_S, stale_after_s
-from ingress.streams import channel_of, reader_name
+from ingress.pubsub_replies import channel_of
+from ingress.streams import reader_name
 from plumbing.health import Liveness, health_body, item_failed, loop_state, serve_metrics_and_health
 from queue_schemas.names import Names
 from scaler.service import LagReader, Scaler
@@ -141,9 +142,10 @@ def test_a_loop_is_stuck_after_a_few_missed_rounds_and_never_sooner_than_the_flo
 
 def test_the_hub_names_its_readers_and_reads_a_channel_only_from_a_well_formed_message() -> None:
     assert reader_name("single") == "stream-hub-single"
-    assert channel_of({"type": "message", "channel": b"c", "data": b"x"}) == b"c"
-    assert channel_of({"type": "message", "data": b"x"}) is None
-    assert channel_of({"channel": 7}) is None
+    assert channel_of([b"message", b"c", b"x"]) == b"c"
+    assert channel_of([b"message"]) is None
+    assert channel_of([b"message", 7]) is None
+    assert channel_of([b"pong", b""]) is None
     assert channel_of(None) is None
 
 
