@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from openai_api.batch_bodies import completed_answer
 from plumbing.answers import AnswerSink
 from plumbing.clients import with_backoff
-from plumbing.protocol.request import END_SCRIPT, chunk_commands, end_args, still_owner
+from plumbing.protocol.request import END_SCRIPT, check_due, chunk_commands, end_args, still_owner
 from plumbing.publisher import PipelinedPublisher
 from plumbing.replay import is_terminal, log_ttl_ms
 from plumbing.retry import doubling
@@ -60,6 +60,7 @@ class RequestOutput:
         self._parts: list[str] = [] if request.resume is None else [request.resume.text]
         self.timing = Timing(began=time.time())  # for the request's usage event
         self.usage: Usage | None = None  # the final chunk's, once sent
+        self._checked_at: float | None = None  # monotonic: the last write that read the log's moves
 
     async def emit(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> None:
         """Log the chunk and stream it to the client's channel; for a batch request, gather it and
@@ -86,11 +87,13 @@ class RequestOutput:
         chunk = stamped(chunk, request.epoch)
         payload = encode(chunk)
         commands: list[tuple[str | bytes | int, ...]]
+        now = time.monotonic()
+        check = is_terminal(chunk) or check_due(self._checked_at, now)
         if is_terminal(chunk):  # checked before it is written: a moved request's end is not this one's
             keys, args = end_args(self._names, chunk, payload, request.epoch, ttl, command)
             commands = [("EVAL", END_SCRIPT, len(keys), *keys, *args)]
         else:
-            commands = chunk_commands(self._names, chunk, payload, request.epoch, ttl, command)
+            commands = chunk_commands(self._names, chunk, payload, request.epoch, ttl, command, check)
         give_up = time.monotonic() + self._outage_s
         delays = doubling(0.05, 1.0)
         while True:
@@ -103,6 +106,9 @@ class RequestOutput:
                     raise
                 log.warning("chunk not written; retrying", request_id=chunk.request_id, error=str(exc))
                 await asyncio.sleep(delay)
+        if not check:
+            return
+        self._checked_at = now
         if not (reply == 1 if is_terminal(chunk) else still_owner(reply, request.epoch)):
             raise Moved(chunk.request_id)
 

@@ -160,23 +160,34 @@ def chunk_commands(
     epoch: int,
     ttl_ms: int,
     publish: str,
+    check: bool = True,
 ) -> list[tuple[str | bytes | int, ...]]:
     """What a worker sends for one chunk of its request, pipelined (no script): the chunk into the
-    replay log under its epoch's field, the log's expiry, the publish on the stream channel (`publish`
-    is PUBLISH or SPUBLISH; '' logs without publishing, as for a batch request's progress), then a read
-    of the log's moves, last, which says whether the request is still at the writer's epoch
-    (`still_owner`). A terminal chunk goes through END_SCRIPT instead (`end_args`). Every key is in
-    the request's hash slot."""
+    replay log under its epoch's field and the publish on the stream channel (`publish` is PUBLISH or
+    SPUBLISH; '' logs without publishing, as for a batch request's progress); with `check`, the log's
+    expiry and then a read of the log's moves, last, which says whether the request is still at the
+    writer's epoch (`still_owner`). A worker checks a request's first chunk and then about once a
+    `CHECK_EVERY_S` (`check_due`): a log deleted or lost under a running request gets its expiry back
+    within that, and a worker moved off learns it within that (what it writes meanwhile is never read,
+    and its end cannot be written: a terminal chunk goes through END_SCRIPT, `end_args`). Every key is
+    in the request's hash slot."""
     rid = chunk.request_id
     log_key = names.replay(rid)
-    commands: list[tuple[str | bytes | int, ...]] = [
-        ("HSET", log_key, log_field(epoch, chunk.seq), payload),
-        ("PEXPIRE", log_key, ttl_ms),
-    ]
+    commands: list[tuple[str | bytes | int, ...]] = [("HSET", log_key, log_field(epoch, chunk.seq), payload)]
     if publish:
         commands.append((publish, names.stream_channel(rid), payload))
-    commands.append(("HGET", log_key, MOVES_FIELD))
+    if check:
+        commands += [("PEXPIRE", log_key, ttl_ms), ("HGET", log_key, MOVES_FIELD)]
     return commands
+
+
+CHECK_EVERY_S = 1.0
+
+
+def check_due(last_checked: float | None, now: float) -> bool:
+    """Whether a worker's next chunk of a request checks the log's expiry and moves (`chunk_commands`):
+    its first, then one about every CHECK_EVERY_S (monotonic seconds). Pure."""
+    return last_checked is None or now - last_checked >= CHECK_EVERY_S
 
 
 def still_owner(moves: bytes | str | None, epoch: int) -> bool:

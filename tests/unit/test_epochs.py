@@ -9,6 +9,7 @@ from typing import cast
 from dispatcher.intake import as_received
 from ingress.relay import EpochFence, events
 from ingress.streams import RESYNC, StreamHub, Subscription
+from plumbing.protocol.request import CHECK_EVERY_S, check_due, chunk_commands
 from plumbing.replay import LogState, epoch_of, in_order, log_field, parse_moves
 from queue_schemas.codec import encode
 from queue_schemas.messages import (
@@ -22,6 +23,7 @@ from queue_schemas.messages import (
     TokenChunk,
     Usage,
 )
+from queue_schemas.names import Names
 from tests.integration.helpers import make_request
 
 RID = "0123456789abcdef" * 2
@@ -164,3 +166,15 @@ def test_a_record_from_a_topic_cannot_claim_what_only_a_dispatcher_sets() -> Non
     got = as_received(forged)
     assert (got.epoch, got.resume, got.placement, got.handoff) == (0, None, None, None)
     assert got.client_prompt_tokens == 50, "its whole prompt is the client's, and charged so"
+
+
+def test_a_worker_checks_a_requests_moves_and_expiry_on_its_first_write_then_about_each_second() -> None:
+    assert check_due(None, 5.0)
+    assert not check_due(5.0, 5.5)
+    assert check_due(5.0, 5.0 + CHECK_EVERY_S)
+    chunk = token(4, 1)
+    plain = chunk_commands(Names(), chunk, b"x", 1, 1000, "PUBLISH", check=False)
+    assert [c[0] for c in plain] == ["HSET", "PUBLISH"]
+    checked = chunk_commands(Names(), chunk, b"x", 1, 1000, "PUBLISH", check=True)
+    assert [c[0] for c in checked] == ["HSET", "PUBLISH", "PEXPIRE", "HGET"], "the moves are read last"
+    assert checked[0][2] == "4.1"
