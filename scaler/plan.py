@@ -190,7 +190,7 @@ class ControlFigures:
     """What one unit of the control plane carries, as measured by `python -m bench.control_plane`
     (docs/scale.md has the runs); override with figures from your own hardware."""
 
-    chunks_per_shard_s: float = 74_000  # one Valkey primary (one thread), logged and sharded-published
+    chunks_per_shard_s: float = 85_000  # one Valkey primary (one thread), logged and sharded-published
     replay_bytes_per_token: float = 86  # Redis memory per token held in a replay log
     chunks_per_ingress_core_s: float = 10_800  # relayed as SSE by one ingress process
     requests_per_ingress_core_s: float = 425  # admitted: auth, tokenization, quota, produce, subscribe
