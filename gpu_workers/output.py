@@ -82,14 +82,15 @@ class RequestOutput:
 
     async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
         request = self.request
-        ttl = log_ttl_ms(request.deadline, time.time(), is_terminal(chunk), request.keep_log_s)
+        terminal = is_terminal(chunk)
+        ttl = log_ttl_ms(request.deadline, time.time(), terminal, request.keep_log_s)
         command = self._publish_command if publish else ""
         chunk = stamped(chunk, request.epoch)
         payload = encode(chunk)
         commands: list[tuple[str | bytes | int, ...]]
         now = time.monotonic()
-        check = is_terminal(chunk) or check_due(self._checked_at, now)
-        if is_terminal(chunk):  # checked before it is written: a moved request's end is not this one's
+        check = terminal or check_due(self._checked_at, now)
+        if terminal:  # checked before it is written: a moved request's end is not this one's
             keys, args = end_args(self._names, chunk, payload, request.epoch, ttl, command)
             commands = [("EVAL", END_SCRIPT, len(keys), *keys, *args)]
         else:
@@ -109,7 +110,7 @@ class RequestOutput:
         if not check:
             return
         self._checked_at = now
-        if not (reply == 1 if is_terminal(chunk) else still_owner(reply, request.epoch)):
+        if not (reply == 1 if terminal else still_owner(reply, request.epoch)):
             raise Moved(chunk.request_id)
 
     def add(self, chunk: TokenChunk | FinalChunk | ErrorChunk) -> BatchAnswer | None:
