@@ -117,7 +117,7 @@ def _subscribe(settings: BusSettings, channels: list[str], seconds: float, ready
             nonlocal received
             while time.monotonic() < stop:
                 try:
-                    await sub.next(0.5)
+                    await sub.next(time.time() + 0.5)
                     received += 1
                 except TimeoutError:
                     continue

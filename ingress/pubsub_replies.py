@@ -45,6 +45,16 @@ def channel_of(reply: object) -> bytes | None:
     return None
 
 
+def stream_message(reply: object) -> tuple[bytes, bytes] | None:
+    """A published message's channel and payload, if `reply` is one (MESSAGE or SMESSAGE as Redis
+    sends it); anything else is None. Pure."""
+    if type(reply) is list and len(reply) == 3 and reply[0] in MESSAGES:
+        channel, data = reply[1], reply[2]
+        if type(channel) is bytes and type(data) is bytes:
+            return channel, data
+    return None
+
+
 async def forget_unsubscribed(pubsub: PubSub, reply: object) -> None:
     """Let redis-py see an unsubscribe confirmation, so it forgets the channel it was asked to drop (it
     would otherwise keep every channel ever subscribed, and subscribe them again on a reconnect of its

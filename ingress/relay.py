@@ -116,11 +116,10 @@ async def marked_events(
         else:
             if not sub.ready():
                 yield FLUSH
-            remaining = request.deadline - time.time()
             try:
-                if remaining <= 0:
+                if time.time() >= request.deadline:
                     raise TimeoutError
-                item = await sub.next(remaining)
+                item = await sub.next(request.deadline)
                 if item == RESYNC:  # the connection was lost and is back: catch up from the log
                     yield FLUSH
                     backlog.extend(await _catch_up(read_log, request, expected_seq, fence))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -43,6 +44,7 @@ from ingress.pubsub_replies import (
     forget_unsubscribed,
     read_replies,
     reply_kind,
+    stream_message,
 )
 from plumbing.clients import as_cluster
 from plumbing.health import Liveness, item_failed
@@ -71,37 +73,74 @@ def reader_name(shard: str) -> str:
 
 
 class Subscription:
+    """One reader's messages of a channel, in order, with one deadline for all of its waits.
+
+    A relay waits on its subscription once per chunk, so a wait is a bare future (no queue of getters),
+    and the deadline is one timer for the life of the stream, not one per wait."""
+
     def __init__(self, hub: StreamHub, channel: bytes) -> None:
         self.channel = channel
         self._hub = hub
-        self._queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        self._items: deque[bytes | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._deadline: float | None = None  # wall-clock time the timer is for
+        self._timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.failed = False  # ended by the hub: nothing more is routed to it
 
     def deliver(self, item: bytes | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._wake()
 
     def fail(self, exc: BaseException) -> None:
         """End this subscription alone: its reader gets `exc` next; its owner still closes it."""
         self.failed = True
-        self._queue.put_nowait(exc)
+        self._items.append(exc)
+        self._wake()
 
     def ready(self) -> bool:
         """Whether a message (or the hub's failure) is waiting, so `next` returns without waiting."""
-        return not self._queue.empty()
+        return bool(self._items)
 
-    async def next(self, within_s: float) -> bytes:
-        """The next message, or TimeoutError after `within_s` seconds, or the hub's failure."""
-        if self._queue.empty():
-            async with asyncio.timeout(within_s):
-                item = await self._queue.get()
-        else:
-            item = self._queue.get_nowait()
+    async def next(self, deadline: float) -> bytes:
+        """The next message; TimeoutError once the wall-clock `deadline` passes with none at hand; or the
+        hub's failure. A message already at hand is returned whatever the time."""
+        while not self._items:
+            if time.time() >= deadline:
+                raise TimeoutError
+            self._arm(deadline)
+            assert self._waiter is None, "a subscription has one reader"
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
         return item
 
+    def _arm(self, deadline: float) -> None:
+        if self._timer is not None and self._deadline == deadline:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._deadline = deadline
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.time()), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None  # a timer that fires a little early is set again by the wait it wakes
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self.closed:
             self.closed = True
             await self._hub.unsubscribe(self)
@@ -451,7 +490,10 @@ class StreamHub:
         while True:
             self.liveness.beat(reader_name(shard.name))
             for reply in await read_replies(shard.pubsub, 1.0):
-                await self._route_one(shard, reply)
+                if (message := stream_message(reply)) is not None:  # handed over without a coroutine
+                    self._deliver(*message)
+                else:
+                    await self._route_one(shard, reply)
 
     async def _route_one(self, shard: _Shard, reply: object) -> None:
         """Route one reply (as Redis sent it); one that cannot be routed is dropped alone, and its

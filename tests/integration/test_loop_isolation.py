@@ -206,19 +206,19 @@ async def test_a_stream_message_that_cannot_be_handed_over_ends_its_reader_alone
         monkeypatch.setattr(broken, "deliver", refuse)
         await publisher.publish(broken_channel, b"lost")
         with pytest.raises(HubDisconnected):
-            await broken.next(5)  # its reader ends...
+            await broken.next(time.time() + 5)  # its reader ends...
         await publisher.publish(other_channel, b"one")
-        assert await other.next(5) == b"one"  # ...and the connection's other streams go on
+        assert await other.next(time.time() + 5) == b"one"  # ...and the connection's other streams go on
         await publisher.publish(broken_channel, b"again")  # nothing more is routed to the ended reader
         await publisher.publish(other_channel, b"two")
-        assert await other.next(5) == b"two"
+        assert await other.next(time.time() + 5) == b"two"
         assert failed_count("ingress.stream_hub") == before + 1
 
         # A message that names its channel but cannot be routed is dropped: its readers catch up.
         await hub._route_one(hub._shards["single"], [b"message", other_channel.encode()])
-        assert await other.next(5) == RESYNC
+        assert await other.next(time.time() + 5) == RESYNC
         await publisher.publish(other_channel, b"three")
-        assert await other.next(5) == b"three"
+        assert await other.next(time.time() + 5) == b"three"
         assert failed_count("ingress.stream_hub") == before + 2
         assert hub.connected
         assert liveness.report() == (True, {"stream-hub-single": "ok"})

@@ -8,7 +8,13 @@ import asyncio
 import pytest
 from redis.exceptions import RedisError, ResponseError
 
-from ingress.pubsub_replies import channel_of, forget_unsubscribed, read_replies, reply_kind
+from ingress.pubsub_replies import (
+    channel_of,
+    forget_unsubscribed,
+    read_replies,
+    reply_kind,
+    stream_message,
+)
 from tests.unit.pubsub_wire import bulk, connected_pubsub
 
 
@@ -88,3 +94,19 @@ def test_a_reply_names_its_kind_and_channel_only_when_well_formed() -> None:
     assert channel_of([b"sunsubscribe", b"c", 0]) == b"c"
     assert channel_of([b"pong", b"c"]) is None, "a pong's data is no channel"
     assert channel_of([b"message"]) is None
+
+
+def test_only_a_well_formed_published_message_is_handed_over_directly() -> None:
+    assert stream_message([b"message", b"c", b"data"]) == (b"c", b"data")
+    assert stream_message([b"smessage", b"c", b""]) == (b"c", b"")
+    for other in (
+        [b"subscribe", b"c", 1],  # a confirmation
+        [b"pmessage", b"p*", b"c", b"data"],  # a pattern's message: four parts
+        [b"message", b"c"],  # short
+        [b"message", [b"c"], b"data"],  # a channel that is no name
+        [b"message", b"c", 5],  # a payload that is no bytes
+        (b"message", b"c", b"data"),  # not as the parser builds it
+        b"PONG",
+        None,
+    ):
+        assert stream_message(other) is None, other

@@ -6,6 +6,7 @@ dropped alone."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -60,8 +61,8 @@ async def test_a_batch_of_messages_reaches_each_reader_in_order(wired: Wired) ->
         + bulk(b"message", b"elsewhere", b"4")
     )
     c, d = wired.readers[b"c"], wired.readers[b"d"]
-    assert [await c.next(5), await c.next(5)] == [b"1", b"3"]
-    assert await d.next(5) == b"2"
+    assert [await c.next(time.time() + 5), await c.next(time.time() + 5)] == [b"1", b"3"]
+    assert await d.next(time.time() + 5) == b"2"
 
 
 async def test_a_subscribe_confirmation_settles_the_subscription_and_a_pong_is_nothing(wired: Wired) -> None:
@@ -73,15 +74,15 @@ async def test_a_subscribe_confirmation_settles_the_subscription_and_a_pong_is_n
     )
     await asyncio.wait_for(confirmed, 5)
     wired.received.feed_data(bulk(b"message", b"c", b"after"))
-    assert await wired.readers[b"c"].next(5) == b"after", "nothing else came before it"
+    assert await wired.readers[b"c"].next(time.time() + 5) == b"after", "nothing else came before it"
     assert failed_count() == before
 
 
 async def test_a_reply_that_cannot_be_routed_is_dropped_alone_and_its_readers_catch_up(wired: Wired) -> None:
     before = failed_count()
     wired.received.feed_data(bulk(b"message", b"c") + bulk(b"message", b"d", b"fine"))
-    assert await wired.readers[b"c"].next(5) == RESYNC
-    assert await wired.readers[b"d"].next(5) == b"fine"
+    assert await wired.readers[b"c"].next(time.time() + 5) == RESYNC
+    assert await wired.readers[b"d"].next(time.time() + 5) == b"fine"
     assert failed_count() == before + 1
 
 
@@ -100,7 +101,7 @@ async def test_an_unrequested_sunsubscribe_rehomes_its_stream_and_redis_py_forge
     pubsub.pending_unsubscribe_shard_channels = {b"gone"}
     wired.received.feed_data(bulk(b"sunsubscribe", b"gone", 1) + bulk(b"sunsubscribe", b"c", 0))
     wired.received.feed_data(bulk(b"message", b"d", b"then"))
-    assert await wired.readers[b"d"].next(5) == b"then"
+    assert await wired.readers[b"d"].next(time.time() + 5) == b"then"
     assert moved == [{b"c"}], "only the stream the hub still reads follows its slot"
     assert b"gone" not in pubsub.shard_channels
 
