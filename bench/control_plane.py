@@ -289,9 +289,13 @@ def proc_rss_mb(pid: int) -> float:
 async def keep_streams(
     endpoints: Endpoints, streams: int, stop_at: float, tally: dict[str, int], max_tokens: int | None
 ) -> None:
-    """`streams` clients, each starting its next streamed answer when one ends, until `stop_at`."""
+    """`streams` clients, each starting its next streamed answer when one ends, until `stop_at`. Chunks
+    are counted as they arrive (`live_chunks`); answers, their chunks and tokens as they end."""
     limits = httpx.Limits(max_connections=streams + 10, max_keepalive_connections=streams + 10)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        def on_chunk() -> None:
+            tally["live_chunks"] += 1
 
         async def one(n: int) -> None:
             body: dict[str, object] = {
@@ -304,7 +308,7 @@ async def keep_streams(
                 body["max_tokens"] = max_tokens
             while time.monotonic() < stop_at:
                 try:
-                    done = await stream_chat(client, endpoints, body)
+                    done = await stream_chat(client, endpoints, body, on_chunk)
                     tally["answers"] += 1
                     tally["chunks"] += done.chunks
                     tally["tokens"] += done.completion_tokens
@@ -323,8 +327,9 @@ def measure_window(
     seconds: float,
 ) -> dict[str, float]:
     """Hold `streams` clients busy; over `seconds` after `warmup`: answers, chunks, errors, CPU seconds of
-    each process in `pids`, and the ingress's resident memory at the end."""
-    tally = {"answers": 0, "chunks": 0, "tokens": 0, "errors": 0}
+    each process in `pids`, and the ingress's resident memory at the end; chunks also as they arrived
+    (`live_chunks`), and chunks and tokens of every answer of the run (`run_*`)."""
+    tally = {"answers": 0, "chunks": 0, "tokens": 0, "errors": 0, "live_chunks": 0}
     out: dict[str, float] = {}
     redis_port = int(endpoints.redis_url.rsplit(":", 1)[1].split("/")[0])
 
@@ -344,7 +349,8 @@ def measure_window(
         out.update({f"usec_{name}": usec for name, usec in command_usec(redis_port).items()})
         out["rss"] = proc_rss_mb(pids["ingress"])
         out["log_bytes_per_token"] = await log_bytes_per_token(endpoints.redis_url)
-        await load
+        await load  # the answers open at the window's end run to their end: their sizes count below
+        out.update(run_tokens=tally["tokens"], run_chunks=tally["chunks"])
 
     asyncio.run(run())
     return out
@@ -390,16 +396,19 @@ def relay(args: argparse.Namespace) -> None:
     # per placement. Long answers: what is left of the ingress's CPU after their requests, per chunk.
     per_request = short["ingress_cpu"] / max(1, short["answers"])
     per_placement = short["dispatcher_cpu"] / max(1, short["answers"])
+    # Chunks as they arrived within the window; tokens at the chunk size of every answer of the run (an
+    # answer longer than the window would otherwise count only if it ended inside it).
+    chunks = long["live_chunks"]
+    per_chunk_tokens = long["run_tokens"] / max(1, long["run_chunks"])
+    tokens = max(1.0, chunks * per_chunk_tokens)
     chunk_cpu = max(1e-9, long["ingress_cpu"] - per_request * long["answers"])
-    per_chunk = chunk_cpu / max(1, long["chunks"])
+    per_chunk = chunk_cpu / max(1, chunks)
     print(f"long answers: {args.streams} streams held open, {long['span']:.0f} s measured")
     span = long["span"]
-    print(f"  chunks relayed {long['chunks'] / span:,.0f}/s, answers {long['answers'] / span:.1f}/s, "
+    print(f"  chunks relayed {chunks / span:,.0f}/s, answers {long['answers'] / span:.1f}/s, "
           f"errors {long['errors']:.0f}; ingress {long['ingress_cpu'] / span:.2f} cores")  # fmt: skip
-    tokens = max(1, long["tokens"])
-    per_chunk_tokens = long["tokens"] / max(1, long["chunks"])
     redis_work = max(0.0, long["redis_cpu"] - redis_rest * span)
-    print(f"  tokens {long['tokens'] / span:,.0f}/s ({per_chunk_tokens:.1f} a chunk); Redis "
+    print(f"  tokens {tokens / span:,.0f}/s ({per_chunk_tokens:.1f} a chunk); Redis "
           f"{long['redis_cpu'] / span:.3f} cores ({redis_rest:.3f} at rest): "
           f"{redis_work * 1e6 / tokens:.2f} CPU-us per token delivered beyond rest "
           f"({long['redis_cpu'] * 1e6 / tokens:.2f} with it)")  # fmt: skip
@@ -409,8 +418,8 @@ def relay(args: argparse.Namespace) -> None:
           + ", ".join(f"{name} {usec / tokens:.2f}" for name, usec in spent[:6]))  # fmt: skip
     print(f"  replay logs: {long['log_bytes_per_token']:.1f} B of Redis memory per token")
     print(f"  per ingress core-second (all of its work, requests included): "
-          f"{long['chunks'] / max(1e-9, long['ingress_cpu']):,.0f} chunks, "
-          f"{long['tokens'] / max(1e-9, long['ingress_cpu']):,.0f} tokens")  # fmt: skip
+          f"{chunks / max(1e-9, long['ingress_cpu']):,.0f} chunks, "
+          f"{tokens / max(1e-9, long['ingress_cpu']):,.0f} tokens")  # fmt: skip
     print(f"  ingress RSS {rest_rss:.1f} MB at rest, {long['rss']:.1f} MB with {args.streams} streams open: "
           f"{(long['rss'] - rest_rss) * 1024 / args.streams:.0f} KB per open stream")  # fmt: skip
     print(f"short answers (max_tokens 1): {args.short_clients} clients back to back, {short['span']:.0f} s")

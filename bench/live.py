@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +40,14 @@ class Streamed:
     completion_id: str  # the chunks' `id`: "chatcmpl-" and the request id
 
 
-async def stream_chat(client: httpx.AsyncClient, endpoints: Endpoints, body: dict[str, Any]) -> Streamed:
-    """One streamed chat completion (`body` asks for `stream_options.include_usage`), read to [DONE]."""
+async def stream_chat(
+    client: httpx.AsyncClient,
+    endpoints: Endpoints,
+    body: dict[str, Any],
+    on_chunk: Callable[[], None] | None = None,
+) -> Streamed:
+    """One streamed chat completion (`body` asks for `stream_options.include_usage`), read to [DONE];
+    `on_chunk` is called as each chunk with content arrives."""
     headers = {"Authorization": f"Bearer {endpoints.api_key}"}
     t0 = time.perf_counter()
     ttft = None
@@ -55,6 +61,8 @@ async def stream_chat(client: httpx.AsyncClient, endpoints: Endpoints, body: dic
                 completion_id = line.split('"id":"', 1)[1].split('"', 1)[0]
             if '"content":"' in line and '"content":""' not in line:
                 chunks += 1
+                if on_chunk is not None:
+                    on_chunk()
                 if ttft is None:
                     ttft = time.perf_counter() - t0
             elif '"prompt_tokens":' in line:

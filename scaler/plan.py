@@ -191,9 +191,9 @@ class ControlFigures:
     (docs/scale.md has the runs); override with figures from your own hardware."""
 
     chunks_per_shard_s: float = 85_000  # one Valkey primary (one thread), logged and sharded-published
-    replay_bytes_per_token: float = 86  # Redis memory per token held in a replay log
-    chunks_per_ingress_core_s: float = 10_800  # relayed as SSE by one ingress process
-    requests_per_ingress_core_s: float = 425  # admitted: auth, tokenization, quota, produce, subscribe
+    replay_bytes_per_token: float = 90  # Redis memory per token held in a replay log
+    chunks_per_ingress_core_s: float = 13_100  # relayed as SSE by one ingress process
+    requests_per_ingress_core_s: float = 410  # admitted: auth, tokenization, quota, produce, subscribe
     ingress_kib_per_stream: float = 76  # resident memory of an ingress per open stream
     placements_per_dispatcher_core_s: float = 970  # consumed, decided, claimed and appended
     requests_per_partition_s: float = 1_000  # an assumption for a production Kafka, not measured here
