@@ -4,12 +4,10 @@ delivered on its reply topic at the end. Either way every chunk is written to th
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TypeVar
 
 import structlog
-from redis.exceptions import RedisError
 
 from openai_api.batch_bodies import completed_answer
 from plumbing.answers import AnswerSink
@@ -17,7 +15,7 @@ from plumbing.clients import with_backoff
 from plumbing.protocol.request import END_SCRIPT, check_due, chunk_commands, end_args, still_owner
 from plumbing.publisher import PipelinedPublisher
 from plumbing.replay import is_terminal, log_ttl_ms
-from plumbing.retry import doubling
+from plumbing.retry import through_outage
 from queue_schemas.batch import BatchAnswer, failed_answer
 from queue_schemas.codec import encode
 from queue_schemas.messages import ErrorChunk, FinalChunk, InferenceRequest, TokenChunk, Usage
@@ -95,18 +93,12 @@ class RequestOutput:
             commands = [("EVAL", END_SCRIPT, len(keys), *keys, *args)]
         else:
             commands = chunk_commands(self._names, chunk, payload, request.epoch, ttl, command, check)
-        give_up = time.monotonic() + self._outage_s
-        delays = doubling(0.05, 1.0)
-        while True:
-            try:
-                reply = await self._publisher.run(commands)
-                break
-            except (RedisError, OSError) as exc:
-                delay = next(delays)
-                if time.monotonic() + delay > give_up:
-                    raise
-                log.warning("chunk not written; retrying", request_id=chunk.request_id, error=str(exc))
-                await asyncio.sleep(delay)
+        rid = chunk.request_id
+
+        def retrying(exc: BaseException) -> None:
+            log.warning("chunk not written; retrying", request_id=rid, error=str(exc))
+
+        reply = await through_outage(lambda: self._publisher.run(commands), self._outage_s, retrying)
         if not check:
             return
         self._checked_at = now

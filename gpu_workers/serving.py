@@ -25,6 +25,7 @@ from plumbing.health import item_failed
 from plumbing.protocol.request import Begun, begin_keys
 from plumbing.quota import settle
 from plumbing.replay import log_field, log_ttl_ms
+from plumbing.retry import through_outage
 from plumbing.window import flush_window_s
 from queue_schemas.codec import encode
 from queue_schemas.errors import ErrorCode
@@ -201,11 +202,23 @@ class Serving(WorkerParts):
         return Begun(outcome.decode() if isinstance(outcome, bytes) else str(outcome))
 
     async def _settle(self, request: InferenceRequest, used_tokens: int, usage: UsageEvent) -> None:
+        """Settle the team's quota and write the request's usage record, through a Redis outage of up to
+        the bus's outage window, as its chunks are (a settle is written once per request, so a try whose
+        reply was lost is harmless to repeat)."""
         TEAM_TOKENS.labels(request.pool, request.team).inc(used_tokens)
+        rid = request.request_id
+
+        def retrying(exc: BaseException) -> None:
+            log.warning("quota not settled; retrying", request_id=rid, error=str(exc))
+
         try:
-            await settle(self.redis, self.names, request.team, request.request_id, used_tokens, usage)
-        except RedisError as exc:
-            log.warning("quota not settled", request_id=request.request_id, error=str(exc))
+            await through_outage(
+                lambda: settle(self.redis, self.names, request.team, rid, used_tokens, usage),
+                self.settings.bus_outage_s,
+                retrying,
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("quota not settled", request_id=rid, error=str(exc))
 
     async def _fail(
         self, out: RequestOutput, coalescer: ChunkCoalescer, started: bool, code: str, message: str
