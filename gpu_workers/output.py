@@ -5,7 +5,8 @@ delivered on its reply topic at the end. Either way every chunk is written to th
 from __future__ import annotations
 
 import time
-from typing import TypeVar
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import structlog
 
@@ -98,7 +99,12 @@ class RequestOutput:
         def retrying(exc: BaseException) -> None:
             log.warning("chunk not written; retrying", request_id=rid, error=str(exc))
 
-        reply = await through_outage(lambda: self._publisher.run(commands), self._outage_s, retrying)
+        async def write() -> Any:
+            if terminal:  # the request's spans end as its last chunk leaves, not after the reply
+                self.timing = replace(self.timing, ended=time.time())
+            return await self._publisher.run(commands)
+
+        reply = await through_outage(write, self._outage_s, retrying)
         if not check:
             return
         self._checked_at = now

@@ -57,7 +57,7 @@ class RequestSpans:
         span = self.span
         if span is None:
             return
-        now = time.time()
+        now = timing.ended if timing.ended is not None else time.time()
         ctx = tracing.child_context(span)
         prefill_from = self._began
         if self._kv_at is not None:

@@ -69,6 +69,7 @@ class Timing:
 
     began: float | None = None  # taken off the worker's inbox
     first_token: float | None = None
+    ended: float | None = None  # the request's last chunk handed to Redis (its last try, if retried)
 
 
 def usage_event(
