@@ -31,7 +31,7 @@ TIERS = (
     "chaos",
     "cluster",
 )  # the folders under tests/, one marker each
-ENGINE_GROUP, SERVICE_GROUP = "engines", "services"  # the two pytest-xdist processes' shares
+ENGINE_SCOPE, E2E_SCOPE = "engines", "e2e"  # pytest-xdist's units of work, beside one per module
 # The tests that start real vLLM (marked `vllm`; collection checks that each is under one of these).
 ENGINE_PATHS = (
     "tests/engine/",
@@ -41,28 +41,52 @@ ENGINE_PATHS = (
 )
 
 
-def process_group(nodeid: str) -> str:
-    return ENGINE_GROUP if nodeid.startswith(ENGINE_PATHS) else SERVICE_GROUP
+def work_scope(nodeid: str) -> str:
+    """The unit of work a test belongs to under pytest-xdist: every test that starts vLLM in one (one
+    process runs them all, so two vLLM stacks never run at once and a module's or package's stack
+    starts once), the rest of the e2e tier in another (they share the package's embedded stack), and
+    any other test with the rest of its module."""
+    if nodeid.startswith(ENGINE_PATHS):
+        return ENGINE_SCOPE
+    if nodeid.startswith("tests/e2e/"):
+        return E2E_SCOPE
+    return nodeid.split("::", 1)[0]
+
+
+def scope_rank(scope: str) -> int:
+    """The order units are handed out in: the vLLM tests first (the longest, mostly one core loading
+    engines), then the unit tier (the fastest signal), then the e2e tier (the next longest), then the
+    rest in collection order. Each process takes the next unit as its own run out, so the two finish
+    close together."""
+    if scope == ENGINE_SCOPE:
+        return 0
+    if scope.startswith("tests/unit/"):
+        return 1
+    return 2 if scope == E2E_SCOPE else 3
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: plain pytest runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Two shares, one per process: the tests that start vLLM, whose engines' start-up is mostly one
-    core importing and loading, and the others, which wait on the broker, Redis and timers as much as
-    they compute. Each share runs whole in one process, in collection order, so a package's or module's
-    stack starts once, and two vLLM stacks never run at once. (pytest-xdist's own `loadgroup` marks
-    groups by renaming test ids, which pytest 9.2 no longer allows.)"""
+    """Units of work as `work_scope` draws them, handed out in `scope_rank` order, each run whole in
+    one process in collection order. (pytest-xdist's own `loadgroup` marks groups by renaming test ids,
+    which pytest 9.2 no longer allows.)"""
     if config.getvalue("dist") != "load":  # what `-n` alone means; another `--dist` is the user's choice
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class TwoShares(LoadScopeScheduling):  # type: ignore[misc]  # pytest-xdist is untyped
+    class Units(LoadScopeScheduling):  # type: ignore[misc]  # pytest-xdist is untyped
         def _split_scope(self, nodeid: str) -> str:
-            return process_group(nodeid)
+            return work_scope(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            queued = sorted(self.workqueue.items(), key=lambda unit: scope_rank(unit[0]))  # stable
+            self.workqueue.clear()
+            self.workqueue.update(queued)
+            super()._assign_work_unit(node)
 
         def remove_node(self, node: Any) -> str | None:
             """A process that died mid-test: its test counts as run (xdist reports the crash), and the
-            rest of its share goes to a new process, which would otherwise start with the same test."""
+            rest of its unit goes to a new process, which would otherwise start with the same test."""
             for unit in self.assigned_work.get(node, {}).values():
                 pending = [nodeid for nodeid, done in unit.items() if not done]
                 if pending:
@@ -73,15 +97,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             result: str | None = super().remove_node(node)
             return result
 
-    return TwoShares(config, log)
+    return Units(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on.
     The tiers run in the order of `TIERS`, the fastest signal first; within a tier, in collection order.
 
-    Under pytest-xdist (`make test` runs two processes), the tests that start real vLLM run in one and
-    every other test in the other (`pytest_xdist_make_scheduler`), each in the order described here."""
+    Under pytest-xdist (`make test` runs two processes), each unit of work (`work_scope`) runs in this
+    order within its process, and the units are handed out as `pytest_xdist_make_scheduler` says."""
     root = Path(__file__).parent
     tiers: dict[str, int] = {}
     for item in items:
@@ -89,7 +113,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders {TIERS}")
         item.add_marker(getattr(pytest.mark, tier))
-        if "vllm" in item.keywords and process_group(item.nodeid) != ENGINE_GROUP:
+        if "vllm" in item.keywords and work_scope(item.nodeid) != ENGINE_SCOPE:
             raise pytest.UsageError(f"{item.nodeid} starts vLLM: add its path to ENGINE_PATHS")
         tiers[item.nodeid] = TIERS.index(tier)
     items.sort(key=lambda item: tiers[item.nodeid])  # stable: collection order within a tier
