@@ -104,8 +104,10 @@ class Subscription:
 
     async def next(self, deadline: float) -> bytes:
         """The next message; TimeoutError once the wall-clock `deadline` passes with none at hand; or the
-        hub's failure. A message already at hand is returned whatever the time."""
+        hub's failure; HubDisconnected once closed. A message at hand is returned whatever the time."""
         while not self._items:
+            if self.closed:
+                raise HubDisconnected("the subscription was closed")
             if time.time() >= deadline:
                 raise TimeoutError
             self._arm(deadline)
@@ -143,6 +145,7 @@ class Subscription:
             self._timer = None
         if not self.closed:
             self.closed = True
+            self._wake()  # a reader still waiting ends now, not at its deadline
             await self._hub.unsubscribe(self)
 
 

@@ -1,11 +1,13 @@
 """A subscription's waits (ingress.streams.Subscription): messages in order, one deadline timer for
-all of a stream's waits, the hub's failure handed to the reader, and the timer gone once closed."""
+all of a stream's waits (set again if it fires early), the hub's failure handed to the reader, and the
+timer gone and a waiting reader ended once closed."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
@@ -92,3 +94,37 @@ async def test_a_cancelled_wait_leaves_the_subscription_usable() -> None:
         await waiting
     sub.deliver(b"after")
     assert await sub.next(time.time() + 5) == b"after"
+
+
+async def test_closing_ends_a_waiting_reader_and_any_later_wait() -> None:
+    sub = subscription()
+    waiting = asyncio.create_task(sub.next(time.time() + 60))
+    await asyncio.sleep(0)
+    await sub.close()
+    with pytest.raises(HubDisconnected, match="closed"):
+        await asyncio.wait_for(waiting, 1)
+    with pytest.raises(HubDisconnected, match="closed"):
+        await sub.next(time.time() + 60)
+
+
+async def test_a_timer_that_fires_before_the_deadline_by_the_wall_clock_is_set_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timer runs on the loop's monotonic clock, the deadline is wall-clock time: a wall clock set
+    back while the stream waits makes the timer fire early, and the wait goes on to the deadline (a
+    generous bound: without a new timer the wait would never end)."""
+    import ingress.streams as streams
+
+    behind = 0.0
+    real = time.time
+    monkeypatch.setattr(streams, "time", SimpleNamespace(time=lambda: real() - behind))
+    sub = subscription()
+    deadline = real() + 0.1
+    waiting = asyncio.create_task(sub.next(deadline))
+    await asyncio.sleep(0)
+    behind = 0.2  # the wall clock stepped back: the timer's 0.1 s leave 0.2 s to the deadline
+    await asyncio.sleep(0.15)
+    assert not waiting.done(), "woken early, it waits again"
+    await asyncio.wait({waiting}, timeout=2)
+    assert waiting.done(), "and the timer is set again for what is left"
+    assert isinstance(waiting.exception(), TimeoutError)
