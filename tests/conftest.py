@@ -56,8 +56,8 @@ def work_scope(nodeid: str) -> str:
 def scope_rank(scope: str) -> int:
     """The order units are handed out in: the vLLM tests first (the longest, mostly one core loading
     engines), then the unit tier (the fastest signal), then the e2e tier (the next longest), then the
-    rest in collection order. Each process takes the next unit as its own run out, so the two finish
-    close together."""
+    rest in collection order. Each process takes the next unit as its own run out, so the processes
+    finish close together."""
     if scope == ENGINE_SCOPE:
         return 0
     if scope.startswith("tests/unit/"):
@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test carries the marker of its tier, the folder it lives in: `pytest -m unit` and so on.
     The tiers run in the order of `TIERS`, the fastest signal first; within a tier, in collection order.
 
-    Under pytest-xdist (`make test` runs two processes), each unit of work (`work_scope`) runs in this
+    Under pytest-xdist (`make test` runs three processes), each unit of work (`work_scope`) runs in this
     order within its process, and the units are handed out as `pytest_xdist_make_scheduler` says."""
     root = Path(__file__).parent
     tiers: dict[str, int] = {}
