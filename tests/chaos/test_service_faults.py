@@ -391,7 +391,9 @@ def test_every_accepted_request_ends_once_through_a_broker_restart(
 ) -> None:
     dev, endpoints = durable_stack
     probe = Probe(dev, endpoints)
-    down_s = 2.0
+    # Down longer than an answer takes on a loaded machine (up to about 3 s), so that some client ends
+    # one and sends its next while the broker is down.
+    down_s = 4.0
     faults: list[tuple[str, Callable[[], Callable[[], bool]]]] = [
         ("broker", lambda: restart(dev, probe, "broker", down_s=down_s))
     ]
