@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import json
 import threading
 import time
@@ -119,10 +120,25 @@ class Load:
         self._outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._extra: list[concurrent.futures.Future[str]] = []
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="load", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def send(self, n: int) -> None:
+        """Send `n` more requests now, beside the steady clients, each once (from any thread)."""
+        assert self._ready.wait(10), "the load is running"
+        loop, http = self._loop, self._http
+        assert loop is not None
+        assert http is not None
+        with self._lock:
+            for _ in range(n):
+                tag = f"extra-{len(self._extra)}"
+                self._extra.append(asyncio.run_coroutine_threadsafe(self._attempt(http, tag), loop))
 
     def stop(self) -> list[Outcome]:
         """Stop sending; wait for the requests in flight to end; all outcomes."""
@@ -140,33 +156,39 @@ class Load:
         return dict(collections.Counter(o.kind for o in outcomes))
 
     async def _run(self) -> None:
-        limits = httpx.Limits(max_connections=self._clients * 2)
+        limits = httpx.Limits(max_connections=self._clients * 4)
         timeout = httpx.Timeout(REQUEST_LIMIT_S, connect=2.0)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            self._loop, self._http = asyncio.get_running_loop(), client
+            self._ready.set()
             await asyncio.gather(*(self._client(client, k) for k in range(self._clients)))
+            with self._lock:
+                extra = [asyncio.wrap_future(f) for f in self._extra]
+            await asyncio.gather(*extra)
 
     async def _client(self, client: httpx.AsyncClient, k: int) -> None:
         n = 0
         while not self._stop.is_set():
-            started = time.time()
-            first: list[float] = []
-            seen: dict[str, Any] = {}
-            try:
-                kind, detail = await asyncio.wait_for(
-                    self._one(client, f"{k}-{n}", first, seen), REQUEST_LIMIT_S
-                )
-            except TimeoutError:
-                kind, detail = "hung", f"no terminal event within {REQUEST_LIMIT_S:.0f} s"
-            ttft = first[0] - started if first else None
-            with self._lock:
-                self._outcomes.append(
-                    Outcome(
-                        started, time.time(), kind, detail, ttft, seen.get("id", ""), seen.get("completion")
-                    )
-                )
+            kind = await self._attempt(client, f"{k}-{n}")
             if kind in ("refused", "unavailable"):
                 await asyncio.sleep(0.2)  # a client backing off while the service is down
             n += 1
+
+    async def _attempt(self, client: httpx.AsyncClient, tag: str) -> str:
+        """One request, its outcome recorded; how it ended."""
+        started = time.time()
+        first: list[float] = []
+        seen: dict[str, Any] = {}
+        try:
+            kind, detail = await asyncio.wait_for(self._one(client, tag, first, seen), REQUEST_LIMIT_S)
+        except TimeoutError:
+            kind, detail = "hung", f"no terminal event within {REQUEST_LIMIT_S:.0f} s"
+        ttft = first[0] - started if first else None
+        with self._lock:
+            self._outcomes.append(
+                Outcome(started, time.time(), kind, detail, ttft, seen.get("id", ""), seen.get("completion"))
+            )
+        return kind
 
     async def _one(
         self, client: httpx.AsyncClient, tag: str, first: list[float], seen: dict[str, Any]

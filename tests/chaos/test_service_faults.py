@@ -63,6 +63,9 @@ RECOVERY_LIMIT_S = 60.0
 MIN_WORDS = 8
 MAX_TOKENS = 200
 
+# A fault: strike (given the running load), then return the check that says the stack is whole again.
+Fault = Callable[[Load], Callable[[], bool]]
+
 POOLS = f"""
 [[pools]]
 name = "sim"
@@ -219,10 +222,20 @@ def restart(dev: DevStack, probe: Probe, name: str, **how: Any) -> Callable[[], 
     return probe.whole
 
 
+def broker_outage(dev: DevStack, probe: Probe, load: Load, down_s: float) -> Callable[[], bool]:
+    """Kill the broker, send three requests beside the load's clients while it is down (each of those is
+    busy with an answer that may outlast the outage on a loaded machine), start it again after `down_s`."""
+    dev.halt("broker")
+    load.send(3)
+    time.sleep(down_s)
+    dev.resume("broker")
+    return probe.whole
+
+
 def exercise(
     probe: Probe,
     endpoints: Endpoints,
-    faults: list[tuple[str, Callable[[], Callable[[], bool]]]],
+    faults: list[tuple[str, Fault]],
     clients: int,
     expected: Callable[[str], str] | None = None,
 ) -> tuple[dict[str, dict[str, object]], dict[str, float], list[Outcome]]:
@@ -238,7 +251,7 @@ def exercise(
         wait_for(lambda: len([o for o in load.outcomes() if o.kind == "ok"]) >= 3 * clients, "the load runs")
         for name, inject in faults:
             at = struck[name] = time.time()
-            over = inject()
+            over = inject(load)
             wait_for(over, f"the stack whole again after the {name} fault", lambda: probe.last_problem)
             whole = time.time()
             wait_for(
@@ -332,12 +345,12 @@ def test_no_accepted_request_fails_through_worker_dispatcher_scaler_and_redis_fa
 ) -> None:
     dev, endpoints = stack
     probe = Probe(dev, endpoints)
-    faults: list[tuple[str, Callable[[], Callable[[], bool]]]] = [
-        ("worker", lambda: kill_a_worker(dev, probe)),
-        ("dispatcher", lambda: kill_a_dispatcher(dev, probe)),
-        ("scaler", lambda: restart(dev, probe, "scaler")),
-        ("redis", lambda: restart(dev, probe, "redis", kill=False, down_s=1.0)),
-        ("ingress", lambda: restart(dev, probe, "ingress")),
+    faults: list[tuple[str, Fault]] = [
+        ("worker", lambda _: kill_a_worker(dev, probe)),
+        ("dispatcher", lambda _: kill_a_dispatcher(dev, probe)),
+        ("scaler", lambda _: restart(dev, probe, "scaler")),
+        ("redis", lambda _: restart(dev, probe, "redis", kill=False, down_s=1.0)),
+        ("ingress", lambda _: restart(dev, probe, "ingress")),
     ]
     report, struck, outcomes = exercise(probe, endpoints, faults, clients=6, expected=sim_answer)
     keep("chaos", report, outcomes)
@@ -391,12 +404,8 @@ def test_every_accepted_request_ends_once_through_a_broker_restart(
 ) -> None:
     dev, endpoints = durable_stack
     probe = Probe(dev, endpoints)
-    # Down longer than an answer takes on a loaded machine (up to about 3 s), so that some client ends
-    # one and sends its next while the broker is down.
     down_s = 4.0
-    faults: list[tuple[str, Callable[[], Callable[[], bool]]]] = [
-        ("broker", lambda: restart(dev, probe, "broker", down_s=down_s))
-    ]
+    faults: list[tuple[str, Fault]] = [("broker", lambda load: broker_outage(dev, probe, load, down_s))]
     report, struck, outcomes = exercise(probe, endpoints, faults, clients=6, expected=sim_answer)
     keep("chaos-broker", report, outcomes)
     assert_each_ended_once(outcomes)
