@@ -78,6 +78,7 @@ class RequestOutput:
                 "delivering a batch answer",
                 attempts=ANSWER_ATTEMPTS,
             )
+            self.timing = replace(self.timing, ended=time.time())
 
     async def record(self, chunk: TokenChunk | FinalChunk | ErrorChunk, publish: bool) -> None:
         request = self.request
@@ -100,7 +101,9 @@ class RequestOutput:
             log.warning("chunk not written; retrying", request_id=rid, error=str(exc))
 
         async def write() -> Any:
-            if terminal:  # the request's spans end as its last chunk leaves, not after the reply
+            # A streamed request's spans end as its last chunk first leaves (not after the reply, nor at
+            # a retry: the client may have it since the first try); a batch request's, once delivered.
+            if terminal and publish and self.timing.ended is None:
                 self.timing = replace(self.timing, ended=time.time())
             return await self._publisher.run(commands)
 

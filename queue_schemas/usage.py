@@ -69,7 +69,7 @@ class Timing:
 
     began: float | None = None  # taken off the worker's inbox
     first_token: float | None = None
-    ended: float | None = None  # the request's last chunk handed to Redis (its last try, if retried)
+    ended: float | None = None  # its last chunk first handed to Redis; a batch answer's delivery
 
 
 def usage_event(

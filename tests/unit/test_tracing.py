@@ -11,19 +11,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import ValidationError
 
 from dispatcher.table import runner_up
 from gpu_workers.coalesce import ChunkCoalescer
 from gpu_workers.engine import EngineOutput
-from gpu_workers.tracing import entry_time
+from gpu_workers.tracing import RequestSpans, entry_time
 from infra.devstack import DevStack, InfraLost, restart_delay
 from infra.launcher import spawn
 from plumbing import tracing
 from queue_schemas.codec import encode
 from queue_schemas.messages import FinalChunk, FinishReason, InferenceRequest, SamplingParams, TokenChunk
 from queue_schemas.settings import BusSettings
+from queue_schemas.usage import Timing
 from scaler.dashboard import slowest, timeline_body
+from tests.unit.test_codec import make_request
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -170,3 +174,27 @@ def test_a_service_that_exits_is_restarted_after_its_back_off(tmp_path: Path) ->
     dev.processes[-1].popen.wait(10)
     with pytest.raises(InfraLost, match="redis exited"):
         dev.supervise(now + 5.0)
+
+
+def test_a_workers_spans_end_when_its_last_chunk_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    request = make_request(traceparent=TRACEPARENT)
+    spans = RequestSpans(request, b"100000-0", "w0", began=100.5)
+    spans.finish(Timing(began=100.5, first_token=101.0, ended=102.0), "ok", 5, None)
+    ended = {span.name: (span.start_time, span.end_time) for span in exporter.get_finished_spans()}
+    assert ended == {
+        "inbox": (tracing.ns(100.0), tracing.ns(100.5)),
+        "prefill": (tracing.ns(100.5), tracing.ns(101.0)),
+        "decode": (tracing.ns(101.0), tracing.ns(102.0)),
+        "generate": (tracing.ns(100.5), tracing.ns(102.0)),
+    }
+    unstamped = RequestSpans(request, b"100000-0", "w0", began=100.5)
+    before = time.time()
+    unstamped.finish(Timing(began=100.5, first_token=101.0), "ok", 5, None)
+    generate = [s for s in exporter.get_finished_spans() if s.name == "generate"][-1]
+    assert generate.end_time is not None
+    assert generate.end_time >= tracing.ns(before)  # no stamp: ended as it finishes
