@@ -31,7 +31,7 @@ TIERS = (
     "chaos",
     "cluster",
 )  # the folders under tests/, one marker each
-ENGINE_SCOPE, E2E_SCOPE = "engines", "e2e"  # pytest-xdist's units of work, beside one per module
+ENGINE_SCOPE, E2E_SCOPE, STACKS_SCOPE = "engines", "e2e", "stacks"  # units of work beside one per module
 # The tests that start real vLLM (marked `vllm`; collection checks that each is under one of these).
 ENGINE_PATHS = (
     "tests/engine/",
@@ -44,20 +44,23 @@ ENGINE_PATHS = (
 def work_scope(nodeid: str) -> str:
     """The unit of work a test belongs to under pytest-xdist: every test that starts vLLM in one (one
     process runs them all, so two vLLM stacks never run at once and a module's or package's stack
-    starts once), the rest of the e2e tier in another (they share the package's embedded stack), and
+    starts once), the rest of the e2e tier in another (they share the package's embedded stack), the
+    chaos and cluster tiers in a third (each module starts whole stacks of its own: one at a time), and
     any other test with the rest of its module."""
     if nodeid.startswith(ENGINE_PATHS):
         return ENGINE_SCOPE
     if nodeid.startswith("tests/e2e/"):
         return E2E_SCOPE
+    if nodeid.startswith(("tests/chaos/", "tests/cluster/")):
+        return STACKS_SCOPE
     return nodeid.split("::", 1)[0]
 
 
 def scope_rank(scope: str) -> int:
     """The order units are handed out in: the vLLM tests first (the longest, mostly one core loading
     engines), then the unit tier (the fastest signal), then the e2e tier (the next longest), then the
-    rest in collection order. Each process takes the next unit as its own run out, so the processes
-    finish close together."""
+    rest; units of one rank go in pytest-xdist's order, those with more tests first. Each process takes
+    the next unit as its own run out, so the processes finish close together."""
     if scope == ENGINE_SCOPE:
         return 0
     if scope.startswith("tests/unit/"):
@@ -86,8 +89,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
         def remove_node(self, node: Any) -> str | None:
             """A process that died mid-test: its test counts as run (xdist reports the crash), and the
-            rest of its unit goes to a new process, which would otherwise start with the same test."""
-            for unit in self.assigned_work.get(node, {}).values():
+            rest of its unit goes to a new process, which would otherwise start with the same test. The
+            units it finished are not handed out again."""
+            workload = self.assigned_work.get(node, {})
+            for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
+                del workload[scope]
+            for unit in workload.values():
                 pending = [nodeid for nodeid, done in unit.items() if not done]
                 if pending:
                     crashed: str = pending[0]
