@@ -48,7 +48,7 @@ $(PROMTOOL):
 promtool: $(PROMTOOL)
 
 # Three pytest-xdist processes on two cores: the tests wait on the broker, Redis and timers as much as
-# they compute (two processes kept 1.45 cores busy), and the vLLM tests stay one unit in one process.
+# they compute, and the vLLM tests stay one unit in one process.
 test: lint typecheck browser promtool
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --durations=25
 
