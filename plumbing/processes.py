@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """For `preexec_fn`: the child gets SIGTERM when the process that started it dies (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -9,7 +9,6 @@ scaler's group stops them too) and scales down by SIGTERM, which makes a worker 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from typing import Protocol
 
 import structlog
 
+from plumbing.processes import die_with_parent
 from queue_schemas.messages import Heartbeat, WorkerState
 from scaler.policy import Verdict
 
@@ -86,10 +86,6 @@ class DryRunBackend:
 
     def close(self, timeout_s: float) -> None:
         return None
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def pick_to_drain(beats: Sequence[Heartbeat], owned: set[str]) -> str | None:
@@ -188,7 +184,7 @@ class LocalBackend:
         with (self._log_dir / f"worker-{worker_id}.log").open("ab") as out:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )  # fmt: skip
         self._procs[worker_id] = (owner or pool, proc)
         log.info("started worker", pool=pool, worker=worker_id, pid=proc.pid, role=role or "default")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from plumbing.processes import die_with_parent
 from queue_schemas.codec import decode
 from queue_schemas.messages import Heartbeat
 from queue_schemas.names import Names
@@ -65,7 +66,12 @@ def sluice_dev(tmp: Path, *options: str, env: dict[str, str] | None = None) -> I
     with (
         stderr_path.open("w") as stderr,
         subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, **(env or {})}
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=die_with_parent,  # not left running by a test process that dies
         ) as proc,
     ):
         try:
