@@ -223,11 +223,14 @@ def restart(dev: DevStack, probe: Probe, name: str, **how: Any) -> Callable[[], 
 
 
 def broker_outage(dev: DevStack, probe: Probe, load: Load, down_s: float) -> Callable[[], bool]:
-    """Kill the broker, send three requests beside the load's clients while it is down (each of those is
-    busy with an answer that may outlast the outage on a loaded machine), start it again after `down_s`."""
+    """Kill the broker; send a request a second beside the load's clients while it is down (each of those
+    is busy with an answer that may outlast the outage on a loaded machine), the last one well inside the
+    ingress's produce timeout of the broker's return; start it again after `down_s`."""
     dev.halt("broker")
-    load.send(3)
-    time.sleep(down_s)
+    until = time.monotonic() + down_s
+    while (left := until - time.monotonic()) > 0:
+        load.send(1)
+        time.sleep(min(1.0, left))
     dev.resume("broker")
     return probe.whole
 

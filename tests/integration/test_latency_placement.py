@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,10 @@ async def _seq_past(p: Pipeline, worker: str, seq: int) -> bool:
     return hb is not None and hb.seq >= seq
 
 
+async def _equals(value: Awaitable[int], wanted: int) -> bool:
+    return await value == wanted
+
+
 async def _backlog(p: Pipeline, worker: str, tokens: int) -> bool:
     hb = (await beats(p)).get(worker)
     return hb is not None and hb.prefill_backlog >= tokens
@@ -237,26 +242,34 @@ async def test_requests_held_for_their_own_slo_do_not_hold_back_others(bus: Bus,
     config.write_text(POOL)
     async with pipeline(bus, engines=[ENGINE, ENGINE], config=config) as p:
         names = p.settings.names
-        loads = [request(f"req-team-load-{i:04d}", 6000, seed=40 + i, slo_ms=60_000) for i in range(4)]
-        for load in loads:
-            await send(p, load)
-        await eventually(lambda: _backlog(p, "w0", 6000), 10, "w0's heartbeat shows its load")
-        await eventually(lambda: _backlog(p, "w1", 6000), 10, "w1's heartbeat shows its load")
+        # Sixteen loads of 1.5 s each, sent together: every worker shows at least 6 s of prefill left.
+        loads = [request(f"req-team-load-{i:04d}", 6000, seed=40 + i, slo_ms=60_000) for i in range(16)]
+        await asyncio.gather(*(send(p, load) for load in loads))
+        await eventually(lambda: _backlog(p, "w0", 24_000), 10, "w0's heartbeat shows its load")
+        await eventually(lambda: _backlog(p, "w1", 24_000), 10, "w1's heartbeat shows its load")
         waiting = [
             request(f"req-team-wait-{i:04d}", 200, seed=60 + i, slo_ms=800).model_copy(
                 update={"team": f"team-{i % 20:02d}"}
             )
             for i in range(40)
         ]
-        for req in waiting:
-            await send(p, req)
-        await asyncio.sleep(0.5)  # all held now
+        await asyncio.gather(*(send(p, req) for req in waiting))
+
+        async def held() -> int:
+            keys = [key async for key in p.redis.scan_iter(match=names.held("sim", "*"))]
+            return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else []))
+
+        await eventually(lambda: _equals(held(), len(waiting)), 20, "the 40 requests held")
         other = request("req-team-other-0001", 200, seed=99, slo_ms=60_000)  # team "dev", as the loads
-        sent_at = time.time()
+        seen, sent_at = await beats(p), time.time()
+        # Until `soonest` less the SLO (less a margin for the heartbeats' timing) none of the 40 can go.
+        soonest = min(predicted_now(hb, 200, sent_at) for hb in seen.values())
+        assert soonest > 2.0, f"the load leaves a worker able to answer in {soonest:.2f} s"
         await send(p, other)
         placed = lambda: p.redis.exists(names.placement(other.request_id))  # noqa: E731
         await eventually(placed, 5, "the served team's request placed")
         took = time.time() - sent_at
-        held = sum([await p.redis.exists(names.placement(r.request_id)) for r in waiting])
-        print(f"the served team's request placed after {took:.2f} s; {held} of the 40 waiting placed by then")
-        assert held < len(waiting)  # they were still waiting for their SLO
+        went = sum([await p.redis.exists(names.placement(r.request_id)) for r in waiting])
+        print(f"the served team's request placed after {took:.2f} s; {went} of the 40 waiting placed by then")
+        assert took < soonest - 0.8 - 0.3, "placed before any of the 40 could be"
+        assert went == 0  # they were still waiting for their SLO
