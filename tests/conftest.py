@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,24 +178,33 @@ def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
 
 
 async def read_dead_letters(
-    kafka_bootstrap: str, names: Names, wait_ms: int = 3000, at_least: int = 0
+    kafka_bootstrap: str,
+    names: Names,
+    at_least: int = 0,
+    wanted: Callable[[DeadLetter], bool] = lambda _: True,
+    within_s: float = 30.0,
 ) -> list[DeadLetter]:
-    """Everything on the dead-letter topic so far; with `at_least`, reading on (up to `wait_ms` more
-    each time) until that many arrived or a read brings nothing new."""
+    """The letters on the dead-letter topic that `wanted` keeps: all of them up to the topic's end when
+    called, and with `at_least`, read on until that many are kept or `within_s` has passed (the caller's
+    assertion says what is missing)."""
     consumer = AIOKafkaConsumer(
         names.deadletter_topic(),
         bootstrap_servers=kafka_bootstrap,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=5,
+        metadata_max_age_ms=1000,  # a topic created meanwhile is read too
     )
     await consumer.start()
+    deadline = time.monotonic() + within_s
     letters: list[DeadLetter] = []
     try:
+        ends = await consumer.end_offsets(list(consumer.assignment()))
         while True:
-            batch = await consumer.getmany(timeout_ms=wait_ms)
+            batch = await consumer.getmany(timeout_ms=200)
             found = [decode(DeadLetter, r.value) for records in batch.values() for r in records]
-            letters += found
-            if len(letters) >= at_least or not found:
+            letters += [letter for letter in found if wanted(letter)]
+            read = all([await consumer.position(tp) >= end for tp, end in ends.items()])
+            if (read and len(letters) >= at_least) or time.monotonic() > deadline:
                 return letters
     finally:
         await consumer.stop()

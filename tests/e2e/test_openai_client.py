@@ -169,10 +169,10 @@ def test_poison_on_the_topic_does_not_stop_the_dispatcher(endpoints: Endpoints) 
         # Every partition now starts with poison: a completion after it proves the dispatcher went on.
         done = client(endpoints).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
         assert done.choices[0].finish_reason == "length"
-        return await read_dead_letters(endpoints.kafka_bootstrap, names)
+        poisoned = lambda letter: letter.payload.endswith("poison")  # noqa: E731
+        return await read_dead_letters(endpoints.kafka_bootstrap, names, at_least=4, wanted=poisoned)
 
-    letters = asyncio.run(poison_then_read_deadletters())
-    poisoned = [letter for letter in letters if letter.payload.endswith("poison")]
+    poisoned = asyncio.run(poison_then_read_deadletters())
     assert len(poisoned) == 4
     assert all("not valid JSON" in letter.reason for letter in poisoned)
 

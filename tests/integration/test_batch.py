@@ -135,7 +135,7 @@ async def test_a_plain_kafka_submitter_gets_one_answer_per_submission(bus: Bus) 
         assert [a["custom_id"] for a in ghost_answers] == ["ghost-1"]
         error = ghost_answers[0]["response"]["body"]["error"]
         assert (error["code"], error["param"]) == ("unknown_team", "team")
-        letters = await read_dead_letters(p.settings.kafka_bootstrap, names, wait_ms=10_000, at_least=2)
+        letters = await read_dead_letters(p.settings.kafka_bootstrap, names, at_least=2)
         reasons = sorted(letter.reason for letter in letters)
         assert len(reasons) == 2, reasons
         assert any("not valid JSON" in r for r in reasons)

@@ -149,10 +149,12 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         submitted = await keys_on(settings, names.batch_topic("sim"))
         assert len(submitted) == LINES - len(MALFORMED)
         assert set(submitted.values()) == {1}
-        letters = [
-            letter for letter in await read_dead_letters(settings.kafka_bootstrap, names)
-            if letter.source == names.results_topic("acme")
-        ]  # fmt: skip
+        letters = await read_dead_letters(
+            settings.kafka_bootstrap,
+            names,
+            at_least=len(POISON),
+            wanted=lambda letter: letter.source == names.results_topic("acme"),
+        )
         assert sorted(letter.payload for letter in letters) == sorted(p.decode() for p in POISON)
         assert all(
             letter.reason and letter.consumer.startswith(names.batch_collector_groups("acme"))
