@@ -22,6 +22,8 @@ from tests.integration.helpers import Services, collect, create_topics, make_req
 
 pytestmark = pytest.mark.timeout(150)
 
+TOKENS = 80  # 2 s a request at 25 ms a token
+
 POOL_FILE = """
 [[pools]]
 name = "sim"
@@ -80,7 +82,9 @@ async def test_burst_scales_up_drains_then_scales_down_by_draining(bus: Bus, tmp
         services.start("scaler", "scaler", "--port", str(port))
         await wait_for(url, lambda r: r["replicas"]["ready"] == 1, within_s=60)
 
-        requests = [make_request("sim", f"req-burst-{i:05d}", max_tokens=40) for i in range(24)]
+        # 24 s of work for one worker (two at a time, 2 s each): enough for a second one to start on a
+        # loaded machine and take part.
+        requests = [make_request("sim", f"req-burst-{i:05d}", max_tokens=TOKENS) for i in range(24)]
         ready = asyncio.Event()
         collector = asyncio.create_task(collect(redis, settings, {r.request_id for r in requests}, 90, ready))
         await ready.wait()
@@ -98,7 +102,7 @@ async def test_burst_scales_up_drains_then_scales_down_by_draining(bus: Bus, tmp
         for evs in events.values():  # nothing was cut short by the drain
             final = evs[-1]
             assert isinstance(final, FinalChunk)
-            assert sum(e.num_tokens for e in evs if isinstance(e, TokenChunk | FinalChunk)) == 40
+            assert sum(e.num_tokens for e in evs if isinstance(e, TokenChunk | FinalChunk)) == TOKENS
 
         calm = await wait_for(
             url, lambda r: r["replicas"]["ready"] == 1 and r["replicas"]["draining"] == 0, 40
