@@ -47,15 +47,16 @@ max_running = {max_running}
 async def streaming_on(
     redis: aioredis.Redis, settings: BusSettings, worker: str, request_ids: list[str]
 ) -> None:
-    """Until a request placed on `worker` has sent two chunks."""
+    """Until a request placed on `worker` has sent two chunks while another placed there has not started."""
     names = settings.names
 
     async def streaming() -> bool:
         owners = await redis.mget([names.placement(r) for r in request_ids])
         mine = [r for r, o in zip(request_ids, owners, strict=True) if o == worker.encode()]
-        return any([await redis.hlen(names.replay(rid)) >= 2 for rid in mine])
+        sent = [await redis.hlen(names.replay(rid)) for rid in mine]
+        return any(n >= 2 for n in sent) and 0 in sent
 
-    await eventually(streaming, 10, f"a request streaming from {worker}")
+    await eventually(streaming, 10, f"a request streaming from {worker} and one waiting there")
 
 
 def scrape(port: int, name: str, labels: str) -> float:
