@@ -162,11 +162,16 @@ async def test_a_worker_starts_the_best_of_the_requests_queued_in_its_inbox(bus:
         expected = {r.request_id for r in [busy, *queued]}
         watching = asyncio.create_task(start_order(p, expected, ready, within_s=30))
         await ready.wait()
-        for r in [busy, *queued]:  # as the dispatcher's placement script does
-            await p.redis.set(names.placement(r.request_id), p.worker_id, px=60_000)
-            await p.redis.xadd(names.inbox(p.worker_id), {"m": encode(r)})
-            if r is busy:  # it holds the one slot: its first chunk is out
-                await eventually(lambda: started(p, [busy], 1), 10, "the busy request started")
+        async def place(requests: list[InferenceRequest]) -> None:  # as the dispatcher's script does
+            async with p.redis.pipeline(transaction=True) as placing:
+                for r in requests:
+                    placing.set(names.placement(r.request_id), p.worker_id, px=60_000)
+                    placing.xadd(names.inbox(p.worker_id), {"m": encode(r)})
+                await placing.execute()
+
+        await place([busy])  # it holds the one slot: its first chunk is out
+        await eventually(lambda: started(p, [busy], 1), 10, "the busy request started")
+        await place(queued)  # at once, so the worker sees all of them whenever the slot frees
         order = await watching
         assert order == [
             "busy-0000001", "urgent-00001", "quiet-000001", "flood-000001", "flex-0000001", "batch-000001",
