@@ -102,8 +102,9 @@ async def test_answers_that_cannot_be_delivered_are_dead_lettered_and_the_pool_k
         served = submission("served", chat("an answer nobody can receive", max_tokens=5), reply_topic="..")
         refused = submission("refused", chat("x", n=2), reply_topic="..")
         await produce(p.settings, [(topic, json.dumps(s).encode()) for s in (served, refused)], acme)
-        for i in range(5):  # interactive traffic while the two answers fail
-            events = await send_and_collect(p, make_request("sim", f"alongside-request-{i}", max_tokens=4))
+        alongside = [make_request("sim", f"alongside-request-{i}", max_tokens=4) for i in range(5)]
+        # Interactive traffic, all at once, while the two answers fail (each waits out produce timeouts).
+        for events in await asyncio.gather(*(send_and_collect(p, r) for r in alongside)):
             assert isinstance(events[-1], FinalChunk), events
         interactive_done = time.time()
 

@@ -74,12 +74,12 @@ async def test_stored_responses_count_until_they_expire(bus: Bus) -> None:
     try:
         storage = TeamStorage(redis, settings.names, CAPS)
         now = time.time()
-        await storage.hold_response("acme", "r1", now + 0.5)
+        await storage.hold_response("acme", "r1", now + 3)  # longer than the four calls take
         await storage.hold_response("acme", "r2", now + 60)
         await storage.hold_response("acme", "r2", now + 60)  # the same response again: no second place
         with pytest.raises(CapReached, match="stored responses"):
             await storage.hold_response("acme", "r3", now + 60)
-        await asyncio.sleep(0.6)  # r1's time is up: its place is free
+        await asyncio.sleep(max(0.0, now + 3.1 - time.time()))  # r1's time is up: its place is free
         await storage.hold_response("acme", "r3", now + 60)
         await storage.drop_response("acme", "r2")
         await storage.hold_response("acme", "r4", now + 60)
