@@ -29,6 +29,12 @@ class IngressSettings(BusSettings):
         description="how long past its deadline a stored /v1/responses response, and the events a "
         "stream is resumed from, are kept",
     )
+    responses_cancel_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=30,
+        description="how long cancelling a response waits for the worker's report of what it used",
+    )
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     files_store: str = Field(
         default=".sluice/files",

@@ -290,9 +290,6 @@ async def current(ctx: IngressContext, record: ResponseRecord) -> ResponseEvents
     return replayed(record, chunks)
 
 
-CANCEL_WAIT_S = 2.0
-
-
 async def ended_soon(ctx: IngressContext, record: ResponseRecord, within_s: float) -> ResponseEvents:
     """The response once its log shows its end (a worker reports what a cancelled request used when
     it stops), or as it is after `within_s`."""
@@ -356,7 +353,7 @@ async def cancel_response(response_id: str, ctx: Context, team: Team) -> JSONRes
         except RedisError as exc:
             raise ServiceUnavailable("The response cannot be cancelled now; retry shortly.") from exc
         ctx.cancel_soon(record.request_id, "response cancelled")
-        events = await ended_soon(ctx, record, CANCEL_WAIT_S)
+        events = await ended_soon(ctx, record, ctx.settings.responses_cancel_wait_s)
         cancelled = True
     return JSONResponse(events.body(shown_status(events, cancelled, time.time())))
 

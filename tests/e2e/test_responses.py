@@ -186,7 +186,7 @@ def test_cancel_stops_the_engine_and_charges_what_was_generated(endpoints: Endpo
     cancelled = client.responses.cancel(created.id)
     took = time.monotonic() - started
     assert cancelled.status == "cancelled"
-    # The cancel waits up to 2 s for the worker's report of what it used: the report is in, so the
+    # The cancel waits (15 s here) for the worker's report of what it used: the report is in, so the
     # engine had stopped by then.
     assert cancelled.usage is not None, f"no report from the worker after {took:.2f} s"
     print(f"cancel: the worker stopped and reported in {took:.2f} s")
