@@ -315,6 +315,25 @@ def chat(text: str, **fields: Any) -> dict[str, Any]:
     return {"model": "sluice-sim", "messages": [{"role": "user", "content": text}], **fields}
 
 
+async def keys_to_end(bootstrap: str, topic: str, within_s: float = 30.0) -> Counter[bytes]:
+    """The key of every message on `topic`, from the start to the end it had when called."""
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", fetch_max_wait_ms=50
+    )
+    await consumer.start()
+    keys: Counter[bytes] = Counter()
+    try:
+        ends = await consumer.end_offsets(list(consumer.assignment()))
+        deadline = time.monotonic() + within_s
+        while not all([await consumer.position(tp) >= end for tp, end in ends.items()]):
+            assert time.monotonic() < deadline, f"{topic} not read to its end within {within_s:g} s"
+            batch = await consumer.getmany(timeout_ms=200, max_records=1000)
+            keys.update(r.key or b"" for records in batch.values() for r in records)
+    finally:
+        await consumer.stop()
+    return keys
+
+
 async def read_answers(bootstrap: str, topic: str, count: int, within_s: float) -> list[dict[str, Any]]:
     """Every message on the reply topic until `count` arrived (then a short wait for duplicates)."""
     consumer = AIOKafkaConsumer(

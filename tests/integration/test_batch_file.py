@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer
 
 from infra.keys import create_signing_key
 from plumbing.clients import redis_client
 from queue_schemas.settings import BusSettings
 from queue_schemas.teams import TeamRecord
 from tests.conftest import Bus, read_dead_letters
-from tests.integration.helpers import Services, create_topics, leased, produce, wait_workers
+from tests.integration.helpers import Services, create_topics, keys_to_end, leased, produce, wait_workers
 from tests.integration.test_failover import POOL_FILE
 from tests.waiting import eventually
 
@@ -71,17 +70,7 @@ async def wait_for_lines(path: Path, at_least: int, within_s: float) -> None:
 
 async def keys_on(settings: BusSettings, topic: str) -> Counter[bytes]:
     """The key of every message on `topic`, read from the start."""
-    consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=settings.kafka_bootstrap, auto_offset_reset="earliest", fetch_max_wait_ms=50
-    )
-    await consumer.start()
-    keys: Counter[bytes] = Counter()
-    try:
-        while batch := await consumer.getmany(timeout_ms=2000, max_records=1000):
-            keys.update(r.key or b"" for records in batch.values() for r in records)
-    finally:
-        await consumer.stop()
-    return keys
+    return await keys_to_end(settings.kafka_bootstrap, topic)
 
 
 async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_submitter(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 
 from ingress.batches import collector as collector_module
 from ingress.batches.api import (
@@ -38,7 +38,7 @@ from queue_schemas.keys import TeamKey
 from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 from tests.conftest import Bus
-from tests.integration.helpers import create_topics
+from tests.integration.helpers import create_topics, keys_to_end
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,19 +116,7 @@ async def harness(bus: Bus, tmp_path: Path, max_request_size: int = 1024 * 1024)
 
 
 async def sent_keys(settings: BusSettings) -> Counter[bytes]:
-    consumer = AIOKafkaConsumer(
-        settings.names.batch_topic("sim"), bootstrap_servers=settings.kafka_bootstrap,
-        auto_offset_reset="earliest", fetch_max_wait_ms=50,
-    )  # fmt: skip
-    await consumer.start()
-    keys: Counter[bytes] = Counter()
-    try:
-        while batch := await consumer.getmany(timeout_ms=1500, max_records=1000):
-            for records in batch.values():
-                keys.update(r.key or b"" for r in records)
-    finally:
-        await consumer.stop()
-    return keys
+    return await keys_to_end(settings.kafka_bootstrap, settings.names.batch_topic("sim"))
 
 
 async def test_a_line_the_broker_refuses_is_answered_and_the_batch_goes_on(bus: Bus, tmp_path: Path) -> None:

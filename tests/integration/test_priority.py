@@ -162,6 +162,7 @@ async def test_a_worker_starts_the_best_of_the_requests_queued_in_its_inbox(bus:
         expected = {r.request_id for r in [busy, *queued]}
         watching = asyncio.create_task(start_order(p, expected, ready, within_s=30))
         await ready.wait()
+
         async def place(requests: list[InferenceRequest]) -> None:  # as the dispatcher's script does
             async with p.redis.pipeline(transaction=True) as placing:
                 for r in requests:
