@@ -133,11 +133,10 @@ async def test_a_request_leaves_its_prefix_for_the_worker_predicted_to_answer_so
         await send(p, warm)
         _, final = await first_token_and_end(p, warm.request_id)
         assert final.worker_id == "w0"
-        loads = [request(f"req-lat-load-{i:04d}", 6000, seed=10 + i, slo_ms=60_000) for i in range(4)]
-        for load in loads:
-            await send(p, load)
+        loads = [request(f"req-lat-load-{i:04d}", 6000, seed=10 + i, slo_ms=60_000) for i in range(8)]
+        await asyncio.gather(*(send(p, load) for load in loads))
         await eventually(lambda: _all_placed(p, loads), 20, "the load placed (on w0, w1 draining)")
-        # Withdrawn: w1 is ready again, and w0 holds 24,000 prompt tokens (6 s) to compute.
+        # Withdrawn: w1 is ready again, and w0 holds 48,000 prompt tokens (12 s) to compute.
         await p.redis.delete(names.drain_request("w1"))
         ready_seq = await eventually(lambda: _ready_seq(p, "w1"), 10, "w1 ready")
         # Two heartbeats later the dispatcher's view has it ready too (it reads every heartbeat).
