@@ -203,12 +203,17 @@ def test_a_request_picked_by_id_shows_its_timeline(stack: Endpoints, browser: we
     assert shows_every_hop(shown), shown
     assert shown[0] == "POST /v1/chat/completions", "the request's own span first, the hops under it"
 
-    def bar_width(hop: str) -> int:
+    # Drawn to scale: each hop's bar is its share of the request's time, of the track's width (to a
+    # pixel or two of rounding; a bar is at least 2 px wide).
+    summary = browser.find_element(By.ID, "trace-summary").text
+    total_ms = float(summary.split(": ", 1)[1].split(" ms over ", 1)[0])
+    for hop in ("decode", "inbox"):
         (row,) = [r for r in rows if r.get_attribute("data-span") == hop]
-        return int(row.find_element(By.CSS_SELECTOR, ".span-bar").size["width"])
-
-    # Drawn to scale: ten tokens of 20 ms against a millisecond or so in the inbox.
-    assert bar_width("decode") > 20 * bar_width("inbox")
+        track_px = row.find_element(By.CSS_SELECTOR, ".span-track").size["width"]
+        drawn_px = row.find_element(By.CSS_SELECTOR, ".span-bar").size["width"]
+        ms = float(row.find_element(By.CSS_SELECTOR, ".span-ms").text.removesuffix(" ms"))
+        scaled_px = max(2.0, track_px * ms / total_ms)
+        assert abs(drawn_px - scaled_px) <= 2 + 0.01 * track_px, (hop, drawn_px, scaled_px, ms, total_ms)
     assert "where the time went" in browser.find_element(By.ID, "hops").text
     assert "decode" in browser.find_element(By.ID, "hops").text
     browser.save_screenshot(str(ARTIFACTS / "request-timeline.png"))

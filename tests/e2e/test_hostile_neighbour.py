@@ -41,7 +41,7 @@ STREAM_TOKENS = 48
 # The most CPU time an ingress's loop thread may spend between two of its 20 ms ticks during an attack.
 # Hostile input handled on the loop crosses it many times over (the 64 MiB upload scanned on the loop
 # instead of the upload threads holds it for about a second); a busy host does not add to CPU time.
-MAX_LOOP_BUSY_CPU_S = 0.25
+MAX_LOOP_BUSY_CPU_S = 0.5
 # A loop held without using CPU (a blocking call on it) does not show in CPU time; a gap this long between
 # two chunks of a calm stream catches that, far above the 250-750 ms the scheduler alone leaves on two cores.
 STALL_BACKSTOP_S = 5.0
