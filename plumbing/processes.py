@@ -7,11 +7,13 @@ import signal
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a child between fork and exec loads nothing
 
 
 def die_with_parent() -> None:
-    """For `preexec_fn`: the child gets SIGTERM when the process that started it dies (Linux)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    """For `preexec_fn`: the child gets SIGTERM when the thread that started it ends, which is when its
+    process dies if that was the main thread or a pool thread (Linux)."""
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from hypothesis import settings as hypothesis_settings
 
 from infra.launcher import free_port, start_broker, start_redis
@@ -185,26 +185,35 @@ async def read_dead_letters(
     within_s: float = 30.0,
 ) -> list[DeadLetter]:
     """The letters on the dead-letter topic that `wanted` keeps: all of them up to the topic's end when
-    called, and with `at_least`, read on until that many are kept or `within_s` has passed (the caller's
-    assertion says what is missing)."""
+    called, and with `at_least`, read on until that many are kept, then to the end the topic has then.
+    Whatever was read by `within_s` if that comes first (the caller's assertion says what is missing)."""
     consumer = AIOKafkaConsumer(
         names.deadletter_topic(),
         bootstrap_servers=kafka_bootstrap,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=5,
-        metadata_max_age_ms=1000,  # a topic created meanwhile is read too
     )
     await consumer.start()
-    deadline = time.monotonic() + within_s
     letters: list[DeadLetter] = []
     try:
-        ends = await consumer.end_offsets(list(consumer.assignment()))
-        while True:
-            batch = await consumer.getmany(timeout_ms=200)
-            found = [decode(DeadLetter, r.value) for records in batch.values() for r in records]
-            letters += [letter for letter in found if wanted(letter)]
-            read = all([await consumer.position(tp) >= end for tp, end in ends.items()])
-            if (read and len(letters) >= at_least) or time.monotonic() > deadline:
-                return letters
+        async with asyncio.timeout(within_s):
+            ends = await consumer.end_offsets(list(consumer.assignment()))
+            while True:
+                batch = await consumer.getmany(timeout_ms=200)
+                found = [decode(DeadLetter, r.value) for records in batch.values() for r in records]
+                letters += [letter for letter in found if wanted(letter)]
+                if len(letters) < at_least or not await read_to(consumer, ends):
+                    continue
+                later = await consumer.end_offsets(list(ends))
+                if later == ends:
+                    return letters
+                ends = later  # written while this read: a late duplicate would be among them
+    except TimeoutError:
+        return letters
     finally:
         await consumer.stop()
+
+
+async def read_to(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:
+    """Whether the consumer has read every partition up to `ends`."""
+    return all([await consumer.position(tp) >= end for tp, end in ends.items()])

@@ -136,6 +136,7 @@ class Load:
         assert loop is not None
         assert http is not None
         with self._lock:
+            assert not self._stop.is_set(), "the load has stopped"  # else its outcome could be lost
             for _ in range(n):
                 tag = f"extra-{len(self._extra)}"
                 self._extra.append(asyncio.run_coroutine_threadsafe(self._attempt(http, tag), loop))

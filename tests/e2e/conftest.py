@@ -76,7 +76,7 @@ FAST_STATE = {
     "SLUICE_FILES_PER_TEAM": "10",
     "SLUICE_BATCHES_PER_TEAM": "3",
     "SLUICE_CORS_ORIGINS": '["*"]',  # the EventSource test's page is on another origin
-    "SLUICE_RESPONSES_CANCEL_WAIT_S": "15",  # the worker's report, however loaded the machine
+    "SLUICE_RESPONSES_CANCEL_WAIT_S": "15",  # time for the worker's report on a loaded machine
 }
 
 

@@ -169,7 +169,10 @@ def test_poison_on_the_topic_does_not_stop_the_dispatcher(endpoints: Endpoints) 
         # Every partition now starts with poison: a completion after it proves the dispatcher went on.
         done = client(endpoints).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
         assert done.choices[0].finish_reason == "length"
-        poisoned = lambda letter: letter.payload.endswith("poison")  # noqa: E731
+
+        def poisoned(letter: DeadLetter) -> bool:
+            return letter.payload.endswith("poison")
+
         return await read_dead_letters(endpoints.kafka_bootstrap, names, at_least=4, wanted=poisoned)
 
     poisoned = asyncio.run(poison_then_read_deadletters())

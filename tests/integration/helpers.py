@@ -48,7 +48,7 @@ from queue_schemas.names import Names
 from queue_schemas.settings import BusSettings
 from queue_schemas.signing import load_private_key, sign_record
 from scaler.service import LagReader
-from tests.conftest import Bus
+from tests.conftest import Bus, read_to
 from tests.waiting import eventually
 
 
@@ -323,12 +323,13 @@ async def keys_to_end(bootstrap: str, topic: str, within_s: float = 30.0) -> Cou
     await consumer.start()
     keys: Counter[bytes] = Counter()
     try:
-        ends = await consumer.end_offsets(list(consumer.assignment()))
-        deadline = time.monotonic() + within_s
-        while not all([await consumer.position(tp) >= end for tp, end in ends.items()]):
-            assert time.monotonic() < deadline, f"{topic} not read to its end within {within_s:g} s"
-            batch = await consumer.getmany(timeout_ms=200, max_records=1000)
-            keys.update(r.key or b"" for records in batch.values() for r in records)
+        async with asyncio.timeout(within_s):
+            ends = await consumer.end_offsets(list(consumer.assignment()))
+            while not await read_to(consumer, ends):
+                batch = await consumer.getmany(timeout_ms=200, max_records=1000)
+                keys.update(r.key or b"" for records in batch.values() for r in records)
+    except TimeoutError:
+        raise AssertionError(f"{topic} not read to its end within {within_s:g} s") from None
     finally:
         await consumer.stop()
     return keys

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -223,10 +222,6 @@ async def _seq_past(p: Pipeline, worker: str, seq: int) -> bool:
     return hb is not None and hb.seq >= seq
 
 
-async def _equals(value: Awaitable[int], wanted: int) -> bool:
-    return await value == wanted
-
-
 async def _backlog(p: Pipeline, worker: str, tokens: int) -> bool:
     hb = (await beats(p)).get(worker)
     return hb is not None and hb.prefill_backlog >= tokens
@@ -254,11 +249,11 @@ async def test_requests_held_for_their_own_slo_do_not_hold_back_others(bus: Bus,
         ]
         await asyncio.gather(*(send(p, req) for req in waiting))
 
-        async def held() -> int:
+        async def all_held() -> bool:
             keys = [key async for key in p.redis.scan_iter(match=names.held("sim", "*"))]
-            return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else []))
+            return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else [])) == len(waiting)
 
-        await eventually(lambda: _equals(held(), len(waiting)), 20, "the 40 requests held")
+        await eventually(all_held, 5, "the 40 requests held")
         other = request("req-team-other-0001", 200, seed=99, slo_ms=60_000)  # team "dev", as the loads
         seen, sent_at = await beats(p), time.time()
         # Until `soonest` less the SLO (less a margin for the heartbeats' timing) none of the 40 can go.
