@@ -48,9 +48,13 @@ $(PROMTOOL):
 promtool: $(PROMTOOL)
 
 # Three pytest-xdist processes on two cores: the tests wait on the broker, Redis and timers as much as
-# they compute, and the vLLM tests stay one unit in one process.
-test: lint typecheck browser promtool
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --durations=25
+# they compute, and the vLLM tests stay one unit in one process. The type check runs beside them (one
+# process, under a minute); its output follows theirs, and either failing fails the target.
+test: lint browser promtool
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -n 3 --durations=25; tests=$$?; \
+	wait $$types; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 # The quick loop: lint, types and the unit tier (under a minute).
 check: lint typecheck promtool
