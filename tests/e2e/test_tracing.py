@@ -26,6 +26,7 @@ from bench.otlp_sink import OtlpSink, ReceivedSpan
 from plumbing.processes import child_pids
 from queue_schemas.names import Names
 from tests.e2e.dev_cli import DevRun, pid_alive, sluice_dev
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -234,12 +235,17 @@ def test_a_batch_line_is_one_trace(dev_run: DevRun, sink: OtlpSink) -> None:
             time.sleep(0.5)
             batch = c.batches.retrieve(batch.id)
     assert batch.status == "completed"
-    lines = [
-        s
-        for s in list(sink.spans)
-        if s.name == "batch line" and s.attributes.get("sluice.batch_id") == batch.id
-    ]
-    assert len(lines) == 1
+
+    def batch_lines() -> list[ReceivedSpan]:  # exported in the ingress's next span batch, soon after the end
+        return [
+            s
+            for s in list(sink.spans)
+            if s.name == "batch line" and s.attributes.get("sluice.batch_id") == batch.id
+        ]
+
+    lines = until(batch_lines, 15, "the batch line's span exported")
+    time.sleep(1)  # a second one, were there one, would be exported with it or within a second
+    assert len(batch_lines()) == len(lines) == 1
     request_id = lines[0].attributes["sluice.request_id"]
     spans = wait_spans(sink, request_id, has("batch line", "placement", "decode"))
     assert len({s.trace_id for s in spans}) == 1
