@@ -197,6 +197,12 @@ async def _seen_ready(dispatcher: Dispatcher, worker_ids: list[str]) -> bool:
     return all(w in beats and beats[w].state is WorkerState.READY for w in worker_ids)
 
 
+async def held_requests(p: Pipeline, pool: str) -> int:
+    """How many requests the pool's dispatchers report holding (each reports its hold every second)."""
+    keys = [key async for key in p.redis.scan_iter(match=p.settings.names.held(pool, "*"))]
+    return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else []))
+
+
 async def wait_state(p: Pipeline, worker_id: str, state: WorkerState, within_s: float = 10.0) -> None:
     await wait_workers(p.redis, p.settings, [worker_id], state, within_s=within_s)
 

@@ -23,7 +23,7 @@ from queue_schemas.messages import FinalChunk, Heartbeat, InferenceRequest, Plac
 from queue_schemas.names import INBOX_FIELD
 from queue_schemas.prefix import block_hashes
 from tests.conftest import Bus
-from tests.integration.helpers import Pipeline, make_request, pipeline
+from tests.integration.helpers import Pipeline, held_requests, make_request, pipeline
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(90)
@@ -250,8 +250,7 @@ async def test_requests_held_for_their_own_slo_do_not_hold_back_others(bus: Bus,
         await asyncio.gather(*(send(p, req) for req in waiting))
 
         async def all_held() -> bool:
-            keys = [key async for key in p.redis.scan_iter(match=names.held("sim", "*"))]
-            return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else [])) == len(waiting)
+            return await held_requests(p, "sim") == len(waiting)
 
         await eventually(all_held, 5, "the 40 requests held")
         other = request("req-team-other-0001", 200, seed=99, slo_ms=60_000)  # team "dev", as the loads

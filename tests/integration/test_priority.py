@@ -31,6 +31,7 @@ from tests.integration.helpers import (
     Pipeline,
     chat,
     create_topics,
+    held_requests,
     make_request,
     pipeline,
     produce,
@@ -108,8 +109,7 @@ async def held_while_draining(p: Pipeline, requests: list[InferenceRequest], bat
     interactive = sum(r.priority is not Priority.BATCH for r in requests)
 
     async def all_held() -> bool:
-        keys = [key async for key in p.redis.scan_iter(match=names.held("sim", "*"))]
-        return sum(int(v or 0) for v in (await p.redis.mget(keys) if keys else [])) == interactive
+        return await held_requests(p, "sim") == interactive
 
     await eventually(all_held, 30, f"{interactive} requests held")
     await p.redis.delete(names.drain_request(p.worker_id))
