@@ -165,7 +165,7 @@ class DevStack:
         )
         self.bus = bus
         api_key = asyncio.run(self._prepare_bus(bus))
-        ports = consecutive_free_ports(self.ingress_port, self.ingresses)
+        ports = ingress_ports(self.ingress_port, self.ingresses)
         self._taken.update(ports)
         scaler_port = self._spare_port()
         env = self._service_env(bus)
@@ -400,15 +400,15 @@ def _is_infra(proc: ManagedProcess) -> bool:
     return proc.name in INFRA_PROCESSES or proc.name.startswith("redis-cluster-")
 
 
-def consecutive_free_ports(first: int | None, count: int) -> list[int]:
-    """`count` free ports in a row, from `first` when those are free, else from a free one."""
-    candidates = [first] if first else []
-    candidates += [free_port() for _ in range(20)]
-    for start in candidates:
-        ports = list(range(start, start + count))
-        if all(port < 65536 and port_is_free(port) for port in ports):
-            return ports
-    raise RuntimeError(f"no {count} consecutive free ports found")
+def ingress_ports(first: int | None, count: int) -> list[int]:
+    """`count` ports for the ingresses: `first` and the ports after it when all are free (what a user
+    asks for with `--port`), else ports chosen by free_port. Never a free port's neighbours: a port
+    next to a free one is not held, and the kernel gives it to outgoing connections."""
+    if first is not None:
+        wanted = list(range(first, first + count))
+        if all(port < 65536 and port_is_free(port) for port in wanted):
+            return wanted
+    return free_ports(count)
 
 
 def _http_ok(url: str) -> bool:

@@ -24,21 +24,30 @@ from plumbing.processes import die_with_parent
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A loopback port that stays free for the process it is meant for, for about a minute.
+
+    A port merely found free (bound and closed) can be taken before its server binds it: by the
+    kernel's choice of a local port for any outgoing connection, or by another process asking for a
+    free one. So the port is left with one connection of its own in TIME_WAIT: until that expires the
+    kernel hands it to no outgoing connection and to no `bind` without SO_REUSEADDR, while a server,
+    which sets SO_REUSEADDR (uvicorn, Valkey, Tansu, Python's HTTP servers), binds it at once.
+    """
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port: int = listener.getsockname()[1]
+        client = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+        accepted, _ = listener.accept()
+        accepted.close()  # the side that closes first waits in TIME_WAIT: this one, on `port`
+        client.recv(1)  # its end of the connection seen, so the TIME_WAIT is this side's
         return port
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` different free ports (each held open until all are chosen, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
+    """`count` different free ports (each held by free_port's TIME_WAIT, so none repeats)."""
+    return [free_port() for _ in range(count)]
 
 
 def port_is_free(port: int) -> bool:
