@@ -49,6 +49,7 @@ from plumbing.fetch_pacing import FetchPacer
 from plumbing.health import Liveness
 from plumbing.protocol.request import CONTROL_CHUNK_SCRIPT
 from plumbing.state import follow_channel
+from plumbing.tasks import stop_tasks
 
 log = structlog.get_logger("sluice.dispatcher")
 PLACEMENT_STALE_S = 30.0  # a placement loop with no round for this long is stuck (/healthz 503)
@@ -138,10 +139,8 @@ class Dispatcher(Intake, Refreshers):
                 await self._acknowledge()
                 self._flow_control()
         finally:
-            for task in self._background:
-                task.cancel()
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
-            await asyncio.wait(self._background, timeout=2.0)
+            await stop_tasks(self._background, timeout_s=2.0)
             await self.in_flight.settle(timeout_s=5.0)
             # Requests still held are not committed: whoever leases their partitions next reads them again.
             with contextlib.suppress(Exception):

@@ -20,6 +20,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from plumbing.tasks import stop_task
 from queue_schemas.config import SimulatedEngineConfig
 
 
@@ -105,5 +106,4 @@ class BatchClock:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task)

@@ -40,6 +40,7 @@ from gpu_workers.vllm_lora import BASE_ADAPTER, check_adapter, zero_adapter
 from gpu_workers.vllm_stats import EngineFigures, stat_logger_class
 from plumbing import tracing
 from plumbing.model_store import ADAPTER_FILES, ModelSourceError, ModelStore
+from plumbing.tasks import stop_task
 from queue_schemas.config import (
     HANDOFF_CONNECTOR,
     PoolConfig,
@@ -279,10 +280,7 @@ class VllmEngine:
             await self._llm.abort(request_id)
 
     async def close(self) -> None:
-        if self._kv_task is not None:
-            self._kv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._kv_task
+        await stop_task(self._kv_task)
         if self._llm is not None:
             # An engine core that runs its model itself has no worker processes to wait for; its own
             # clean-up (a full garbage collection of a process about to exit) takes seconds, so it gets

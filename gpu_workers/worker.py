@@ -41,6 +41,7 @@ from plumbing.health import Liveness
 from plumbing.protocol.request import BEGIN_SCRIPT
 from plumbing.publisher import PipelinedPublisher
 from plumbing.state import follow_channel
+from plumbing.tasks import stop_tasks
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import (
     WorkerState,
@@ -139,9 +140,8 @@ class Worker(Consuming, Beats):
             self.liveness.forget(INBOX_LOOP)
             for task in background:
                 self.liveness.forget(task.get_name())
-                task.cancel()
             # Bounded: a task cancelled inside a Redis call can be slow to unwind; shutdown does not wait.
-            await asyncio.wait(background, timeout=2.0)
+            await stop_tasks(background, timeout_s=2.0)
             await self._retire()
             await self.publisher.close()
             await self.answers.close()

@@ -38,6 +38,7 @@ from plumbing.clients import consumer_options, node_client, producer_options, re
 from plumbing.health import Liveness
 from plumbing.loop_watch import watch_loop
 from plumbing.model_store import ModelStore
+from plumbing.tasks import stop_task
 
 log = structlog.get_logger("sluice.ingress")
 UPLOAD_SWITCH_INTERVAL_S = 0.001
@@ -110,8 +111,7 @@ def create_app(settings: IngressSettings) -> FastAPI:
             app.state.ctx.checks.close()
             app.state.ctx.uploads.close()
             liveness.forget("loop-watch")
-            loop_watch.cancel()
-            await asyncio.gather(loop_watch, return_exceptions=True)
+            await stop_task(loop_watch)
             await relay.close()
             await keeper.close()
             await hub.close()

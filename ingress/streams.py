@@ -49,6 +49,7 @@ from ingress.pubsub_replies import (
 from plumbing.clients import as_cluster
 from plumbing.health import Liveness, item_failed
 from plumbing.retry import doubling
+from plumbing.tasks import stop_task
 
 log = structlog.get_logger("sluice.ingress.streams")
 
@@ -331,10 +332,7 @@ class StreamHub:
         shard.connected.clear()
         if self._shards.get(shard.name) is shard:
             self.liveness.forget(reader_name(shard.name))
-        if shard.reader is not None and shard.reader is not asyncio.current_task():
-            shard.reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await shard.reader
+        await stop_task(shard.reader)  # not the calling task: a reader stopping its own shard goes on
         with contextlib.suppress(RedisError, OSError):
             if shard.pubsub is not None:
                 await shard.pubsub.aclose()

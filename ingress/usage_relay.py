@@ -28,6 +28,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLarge
 from redis.exceptions import RedisError, ResponseError
 
 from plumbing.health import Liveness, item_failed
+from plumbing.tasks import stop_task
 from queue_schemas.names import Names
 from queue_schemas.usage import UsageEvent
 
@@ -102,9 +103,7 @@ class UsageRelay:
     async def close(self) -> None:
         if self._task is not None:
             self.liveness.forget(RELAY_LOOP)
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -14,12 +14,13 @@ together, in order, in the batch's pipeline; a run any of whose commands failed 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+
+from plumbing.tasks import stop_task
 
 MAX_BATCH = 256
 
@@ -54,10 +55,7 @@ class PipelinedPublisher:
         return await self._enqueue(_Call(commands, self._future()))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         _fail(self._queue, ConnectionError("publisher closed"))
         self._queue.clear()
 

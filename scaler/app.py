@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 
 from plumbing.clients import admin_options, consumer_options, redis_client, with_backoff
 from plumbing.health import Liveness, health_body
+from plumbing.tasks import stop_task
 from queue_schemas.names import Names
 from scaler.backends import Backend, DryRunBackend, LocalBackend
 from scaler.dashboard import dashboard_body, report_body, slowest, timeline_body
@@ -75,9 +76,7 @@ def create_app(settings: ScalerSettings) -> FastAPI:
             yield
         finally:
             liveness.forget(SCALER_LOOP)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
             await asyncio.to_thread(backend.close, settings.shutdown_drain_s)
             await consumer.stop()
             await admin.close()

@@ -19,7 +19,6 @@ failed with the reason; the other batches go on. A batch whose API key was revok
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import time
@@ -58,6 +57,7 @@ from plumbing.health import Liveness, item_failed
 from plumbing.protocol.batches import COLLECT_SCRIPT, TRANSITION_SCRIPT, collect_keys, transition_keys
 from plumbing.protocol.leases import LEASE_SCRIPT
 from plumbing.protocol.request import cancel
+from plumbing.tasks import stop_tasks
 from queue_schemas.batch import BatchSubmission, internal_request_id
 from queue_schemas.config import SluiceConfig
 from queue_schemas.keys import TeamKey
@@ -141,10 +141,7 @@ class BatchKeeper:
     async def close(self) -> None:
         for task in self._tasks:
             self.liveness.forget(task.get_name())
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
 
     async def _register_key(self) -> None:
         """This process signs the lines it sends; dispatchers find its public key here."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,24 @@ def test_a_worker_whose_model_is_missing_reports_failed_and_exits(tmp_path: Path
     beats, gone = asyncio.run(membership())
     assert [b.worker_id for b in beats] == ["w1"], "ops still see the failed worker"
     assert gone == ["w1"], "dispatchers take over what was placed on it at once"
+
+
+def test_an_ingress_whose_port_is_taken_exits_at_once(tmp_path: Path, bus: Bus) -> None:
+    settings = bus.settings()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(
+            ["ingress", "--port", str(port)],
+            tmp_path,
+            SLUICE_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+            SLUICE_REDIS_URL=settings.redis_url,
+            SLUICE_PREFIX=settings.prefix,
+        )
+    # uvicorn's exit status for a server that could not start, once the ingress closed what it opened
+    # (it used to wait forever for a loop that had missed its cancel).
+    assert result.returncode == 3
+    assert f"error while attempting to bind on address ('127.0.0.1', {port}): address already in use" in (
+        result.stderr
+    )
