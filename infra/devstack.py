@@ -404,7 +404,7 @@ def ingress_ports(first: int | None, count: int) -> list[int]:
     """`count` ports for the ingresses: `first` and the ports after it when all are free (what a user
     asks for with `--port`), else ports chosen by free_port. Never a free port's neighbours: a port
     next to a free one is not held, and the kernel gives it to outgoing connections."""
-    if first is not None:
+    if first:  # 0 or None: any
         wanted = list(range(first, first + count))
         if all(port < 65536 and port_is_free(port) for port in wanted):
             return wanted

@@ -38,7 +38,7 @@ def free_port() -> int:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port: int = listener.getsockname()[1]
-        client = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+        client = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
         accepted, _ = listener.accept()
         accepted.close()  # the side that closes first waits in TIME_WAIT: this one, on `port`
         client.recv(1)  # its end of the connection seen, so the TIME_WAIT is this side's

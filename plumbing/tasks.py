@@ -18,7 +18,7 @@ import structlog
 
 log = structlog.get_logger("sluice.tasks")
 
-RECANCEL_S = 0.5  # how often a task that is still running is cancelled again
+RECANCEL_S = 2.0  # how often a task that is still running is cancelled again
 
 
 async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout_s: float | None = None) -> None:
