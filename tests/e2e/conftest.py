@@ -18,7 +18,7 @@ from infra.models import build_tiny_tokenizer
 from plumbing.protocol.quota import utc_day
 from plumbing.replay import is_terminal, read_log
 from queue_schemas.codec import decode
-from queue_schemas.messages import Heartbeat, StreamEvent
+from queue_schemas.messages import Heartbeat, PoolState, StreamEvent
 from queue_schemas.names import Names
 from queue_schemas.teams import TeamLimits
 
@@ -151,6 +151,21 @@ def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
     raw = asyncio.run(go())
     assert raw is not None, f"no heartbeat for {worker_id}"
     return decode(Heartbeat, raw)
+
+
+def pool_state(endpoints: Endpoints, pool: str) -> PoolState | None:
+    """The state the scaler last published for `pool` (what the ingress's pool gate reads)."""
+
+    async def go() -> bytes | None:
+        redis = aioredis.Redis.from_url(endpoints.redis_url)
+        try:
+            raw = await redis.get(Names().pool_state(pool))
+            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
+        finally:
+            await redis.aclose()
+
+    raw = asyncio.run(go())
+    return None if raw is None else decode(PoolState, raw)
 
 
 def placed_on(endpoints: Endpoints, request_id: str) -> str:

@@ -14,9 +14,11 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from infra.devstack import Endpoints
+from ingress.pool_gate import STALE_AFTER_S
 from queue_schemas.teams import TeamLimits
-from tests.e2e.conftest import day_used, openai_client, team_key
+from tests.e2e.conftest import day_used, openai_client, pool_state, team_key
 from tests.e2e.test_streaming_contract import chat_prompt_ids
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -100,14 +102,16 @@ def test_concurrent_requests_never_exceed_the_daily_budget(endpoints: Endpoints)
 
 
 def test_pool_without_workers_is_refused_quickly(endpoints: Endpoints) -> None:
+    def fresh_state() -> bool:
+        # The gate stays open while the scaler has said nothing of the pool (or not for STALE_AFTER_S):
+        # a request admitted then would wait in the queue, so the test waits for a recent state first.
+        state = pool_state(endpoints, "empty")
+        return state is not None and time.time() - state.updated_at < STALE_AFTER_S / 2
+
+    until(fresh_state, 60, "the scaler publishes the empty pool's state")
     url = endpoints.url + "/v1/chat/completions"
     body = {"model": "sluice-empty", "messages": MESSAGES, "max_tokens": 3}
-    deadline = time.monotonic() + 10
-    while True:  # the scaler publishes the pool's state within a tick of starting
-        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {endpoints.api_key}"}, timeout=30)
-        if r.status_code == 503 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {endpoints.api_key}"}, timeout=30)
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_workers"
     assert int(r.headers["retry-after"]) > 0
