@@ -3,9 +3,9 @@
 On Python 3.11, `asyncio.wait_for` returns the awaited call's result instead of raising when a cancel
 arrives just as that call finishes, and the task goes on as if never cancelled. redis-py awaits parts
 of a command through it, so a loop cancelled during a Redis call could keep running, and a close that
-awaited it waited forever (an ingress that failed to bind its port never exited). A cancel is therefore
-sent again, every RECANCEL_S, until the task ends; a task whose own clean-up on cancel awaits for longer
-must shield that clean-up.
+awaited it would wait forever (an ingress whose server failed to start would never exit). A cancel is
+therefore sent again, every RECANCEL_S, until the task ends; a task whose own clean-up on cancel awaits
+for longer must shield that clean-up.
 """
 
 from __future__ import annotations
