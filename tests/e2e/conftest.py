@@ -126,60 +126,40 @@ def team_key(
     return asyncio.run(go())
 
 
-def day_used(endpoints: Endpoints, team: str) -> int:
-    """Tokens charged to `team` today, after settlement."""
+def stored(endpoints: Endpoints, key: str) -> bytes | None:
+    """The value the stack's Redis holds at `key`, or None."""
 
-    async def go() -> int:
+    async def go() -> bytes | None:
         redis = aioredis.Redis.from_url(endpoints.redis_url)
         try:
-            return int(await redis.get(Names().quota_day(team, utc_day(time.time()))) or 0)
+            raw = await redis.get(key)
+            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
         finally:
             await redis.aclose()
 
     return asyncio.run(go())
 
 
-def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
-    async def go() -> bytes | None:
-        redis = aioredis.Redis.from_url(endpoints.redis_url)
-        try:
-            raw = await redis.get(Names().heartbeat(pool, worker_id))
-            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
-        finally:
-            await redis.aclose()
+def day_used(endpoints: Endpoints, team: str) -> int:
+    """Tokens charged to `team` today, after settlement."""
+    return int(stored(endpoints, Names().quota_day(team, utc_day(time.time()))) or 0)
 
-    raw = asyncio.run(go())
+
+def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
+    raw = stored(endpoints, Names().heartbeat(pool, worker_id))
     assert raw is not None, f"no heartbeat for {worker_id}"
     return decode(Heartbeat, raw)
 
 
 def pool_state(endpoints: Endpoints, pool: str) -> PoolState | None:
     """The state the scaler last published for `pool` (what the ingress's pool gate reads)."""
-
-    async def go() -> bytes | None:
-        redis = aioredis.Redis.from_url(endpoints.redis_url)
-        try:
-            raw = await redis.get(Names().pool_state(pool))
-            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
-        finally:
-            await redis.aclose()
-
-    raw = asyncio.run(go())
+    raw = stored(endpoints, Names().pool_state(pool))
     return None if raw is None else decode(PoolState, raw)
 
 
 def placed_on(endpoints: Endpoints, request_id: str) -> str:
     """The worker the request was placed on, from its placement record."""
-
-    async def go() -> bytes | None:
-        redis = aioredis.Redis.from_url(endpoints.redis_url)
-        try:
-            raw = await redis.get(Names().placement(request_id))
-            return raw if raw is None or isinstance(raw, bytes) else raw.encode()
-        finally:
-            await redis.aclose()
-
-    raw = asyncio.run(go())
+    raw = stored(endpoints, Names().placement(request_id))
     assert raw is not None, f"{request_id} has no placement record"
     return raw.decode()
 

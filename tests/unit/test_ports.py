@@ -13,13 +13,8 @@ pytestmark = pytest.mark.unit
 
 
 def held(port: int) -> bool:
-    """Whether a plain bind (no SO_REUSEADDR: how a free port is found) is refused the port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as plain:
-        try:
-            plain.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-        return False
+    """Whether another process's probe for a free port (a plain bind) is refused the port."""
+    return not port_is_free(port)
 
 
 def test_a_free_port_is_held_from_others_and_open_to_its_server() -> None:
