@@ -15,10 +15,10 @@ from openai_api.errors import ApiError, ServiceUnavailable
 from queue_schemas.codec import decode
 from queue_schemas.config import PoolConfig
 from queue_schemas.errors import SchemaError
-from queue_schemas.messages import PoolState
+from queue_schemas.messages import POOL_STATE_STALE_S, PoolState
 from queue_schemas.names import Names
 
-STALE_AFTER_S = 10.0
+STALE_AFTER_S = POOL_STATE_STALE_S
 CACHE_S = 0.5
 OVERLOADED_RETRY_S = 2
 NO_WORKERS_RETRY_S = 10

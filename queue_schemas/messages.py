@@ -477,8 +477,13 @@ class DeadLetter(Message):
     failed_at: float
 
 
+POOL_STATE_STALE_S = 10.0  # a PoolState older than this no longer describes its pool
+
+
 class PoolState(Message):
-    """A pool as the scaler last saw it, kept under poolstate:<pool> for admission control."""
+    """A pool as the scaler last saw it, kept under poolstate:<pool> for admission control. The key lives
+    at least POOL_STATE_STALE_S, whatever the scaler's tick: the reader judges age by `updated_at`, and a
+    key that lapsed between two slow rounds would read as "nothing known" and open the gate."""
 
     pool: Name
     lag: int = Field(ge=0)

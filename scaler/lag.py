@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from queue_schemas.messages import Heartbeat, PoolState, WorkerState
+from queue_schemas.messages import POOL_STATE_STALE_S, Heartbeat, PoolState, WorkerState
 
 
 def partition_lag(end_offset: int, committed: int | None, log_start: int = 0) -> int:
@@ -66,3 +66,10 @@ def pool_state(lag: PoolLag, heartbeats: Sequence[Heartbeat], now: float, held: 
         draining=states[WorkerState.DRAINING],
         updated_at=now,
     )
+
+
+def pool_state_ttl_ms(tick_s: float) -> int:
+    """How long the scaler keeps a PoolState it wrote: three ticks, and longer than readers count it fresh,
+    so a round slower than its tick (many pools, a loaded host) leaves no gap in which the key is gone
+    while the state it held would still be current."""
+    return int(max(3 * tick_s, POOL_STATE_STALE_S + tick_s) * 1000)

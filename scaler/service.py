@@ -32,7 +32,7 @@ from scaler.backends import Backend, DrainAsks
 from scaler.burrow import LagWindow, Status, pool_status
 from scaler.dashboard import HISTORY_POINTS, Sample, sample_of, worker_row
 from scaler.forecast import ArrivalEstimator
-from scaler.lag import PoolLag, pool_lag, pool_state
+from scaler.lag import PoolLag, pool_lag, pool_state, pool_state_ttl_ms
 from scaler.plan import GPUS, MODELS, Deployment, Workload, plan
 from scaler.policy import (
     PoolSignals,
@@ -292,7 +292,7 @@ class Scaler:
         self.history.setdefault(name, deque(maxlen=HISTORY_POINTS)).append(sample_of(report, now))
         self._export(name, report, c)
         state = pool_state(lag, beats, now, held)
-        await self.redis.set(self.names.pool_state(name), encode(state), px=int(3 * self.tick_s * 1000))
+        await self.redis.set(self.names.pool_state(name), encode(state), px=pool_state_ttl_ms(self.tick_s))
         return report
 
     async def _batch_lag(self, pool: str) -> PoolLag | None:

@@ -2,9 +2,12 @@
 
 import pytest
 
+from ingress.pool_gate import STALE_AFTER_S, pool_refusal
+from queue_schemas.config import PoolConfig, ScalingConfig
 from queue_schemas.messages import Heartbeat, WorkerState
 from scaler.backends import next_worker_id, pick_to_drain
 from scaler.burrow import LagWindow, Status, partition_status, pool_status
+from scaler.lag import pool_lag, pool_state, pool_state_ttl_ms
 from scaler.signals import ReplicaMeasures, pool_signals, spec_decoding_on
 
 
@@ -103,3 +106,20 @@ def test_local_backend_drains_the_least_busy_owned_replica_and_names_new_ones() 
     assert pick_to_drain(beats, owned={"p-w0", "p-w1", "p-w2"}) == "p-w1"
     assert pick_to_drain(beats, owned=set()) is None
     assert next_worker_id("p", {"p-w0", "p-w2"}) == "p-w1"
+
+
+@pytest.mark.parametrize("tick_s", [0.2, 0.5, 2.0, 10.0])
+def test_a_pool_state_outlives_every_age_the_gate_counts_fresh(tick_s: float) -> None:
+    disabled = PoolConfig(
+        name="empty", model="sluice-empty", scaling=ScalingConfig(min_replicas=0, max_replicas=0)
+    )
+    lag = pool_lag("empty", "t", "g", {0: 0}, {0: None}, {}, read_at=0.0)
+    state = pool_state(lag, [], now=0.0)
+    ttl_s = pool_state_ttl_ms(tick_s) / 1000
+    assert ttl_s >= 3 * tick_s
+    for age in (0.5 * STALE_AFTER_S, STALE_AFTER_S):  # a round may run long past its tick
+        refusal = pool_refusal(disabled, state, now=age)
+        assert refusal is not None, age
+        assert refusal.code == "no_workers"
+        assert age < ttl_s, f"the key is gone at {age} s while its state is fresh"
+    assert pool_refusal(disabled, state, now=STALE_AFTER_S + 0.1) is None  # stale: nothing known, open
