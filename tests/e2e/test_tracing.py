@@ -185,7 +185,7 @@ def test_a_client_traceparent_is_kept(dev_run: DevRun, sink: OtlpSink) -> None:
     )
     assert reply.status_code == 200, reply.text
     request_id = reply.json()["id"].removeprefix("chatcmpl-")
-    spans = wait_spans(sink, request_id, has("relay", "decode"))
+    spans = wait_spans(sink, request_id, has("relay", "decode", "POST /v1/chat/completions"))
     assert {s.trace_id for s in spans} == {trace_id}
     (root,) = [s for s in spans if s.kind == SERVER]
     assert root.parent_id == parent_id
@@ -198,7 +198,9 @@ def test_a_malformed_traceparent_starts_a_new_trace(dev_run: DevRun, sink: OtlpS
         dev_run.env["SLUICE_URL"] + "/v1/chat/completions", json=body, headers=headers, timeout=60
     )
     assert reply.status_code == 200, reply.text
-    spans = wait_spans(sink, reply.json()["id"].removeprefix("chatcmpl-"), has("relay"))
+    spans = wait_spans(
+        sink, reply.json()["id"].removeprefix("chatcmpl-"), has("relay", "POST /v1/chat/completions")
+    )
     (root,) = [s for s in spans if s.kind == SERVER]
     assert root.parent_id is None
 
