@@ -111,7 +111,13 @@ def test_pool_without_workers_is_refused_quickly(endpoints: Endpoints) -> None:
     until(fresh_state, 60, "the scaler publishes the empty pool's state")
     url = endpoints.url + "/v1/chat/completions"
     body = {"model": "sluice-empty", "messages": MESSAGES, "max_tokens": 3}
-    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {endpoints.api_key}"}, timeout=30)
+    try:
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {endpoints.api_key}"}, timeout=30)
+    except httpx.TimeoutException as exc:  # say what the gate could have read, and whether it refused
+        state = pool_state(endpoints, "empty")
+        metrics = httpx.get(endpoints.url + "/metrics", timeout=30).text.splitlines()
+        refused = [m for m in metrics if m.startswith("sluice_ingress_rejections_total") and "empty" in m]
+        raise AssertionError(f"no answer in 30 s; at {time.time():.3f}: {state!r}, {refused}") from exc
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_workers"
     assert int(r.headers["retry-after"]) > 0
