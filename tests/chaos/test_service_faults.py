@@ -466,8 +466,13 @@ def test_records_written_while_redis_is_down_are_served_when_it_returns(
     async def served() -> tuple[object, list[dict[str, Any]]]:
         answers = await read_answers(bus.kafka_bootstrap, reply, 1, 30)
         redis = redis_client(bus)
-        try:
-            return await redis.get(names.placement(interactive.request_id)), answers
+        try:  # the interactive record is on its own topic, leased apart from the batch one: wait for it too
+            deadline = time.monotonic() + 30
+            while (placed := await redis.get(names.placement(interactive.request_id))) is None:
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            return placed, answers
         finally:
             await redis.aclose()
 

@@ -145,10 +145,11 @@ def day_used(endpoints: Endpoints, team: str) -> int:
     return int(stored(endpoints, Names().quota_day(team, utc_day(time.time()))) or 0)
 
 
-def heartbeat(endpoints: Endpoints, pool: str, worker_id: str) -> Heartbeat:
+def running_on(endpoints: Endpoints, pool: str, worker_id: str) -> int:
+    """The requests a worker's heartbeat says it runs; 0 once the worker is gone (the scaler drains idle
+    workers, and a stopped worker's heartbeat lapses)."""
     raw = stored(endpoints, Names().heartbeat(pool, worker_id))
-    assert raw is not None, f"no heartbeat for {worker_id}"
-    return decode(Heartbeat, raw)
+    return 0 if raw is None else decode(Heartbeat, raw).running
 
 
 def pool_state(endpoints: Endpoints, pool: str) -> PoolState | None:

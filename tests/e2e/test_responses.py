@@ -16,7 +16,7 @@ from jsonschema import validate
 from infra.devstack import DevStack, Endpoints
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, TokenChunk
-from tests.e2e.conftest import day_used, heartbeat, openai_client, placed_on, team_key, terminal_log
+from tests.e2e.conftest import day_used, openai_client, placed_on, running_on, team_key, terminal_log
 from tests.e2e.test_streaming_contract import chat_prompt_ids, sim_reply
 from tests.e2e.test_structured_outputs import TRIP, WEATHER_PARAMS
 from tests.waiting import until
@@ -198,7 +198,7 @@ def test_cancel_stops_the_engine_and_charges_what_was_generated(endpoints: Endpo
     assert cancelled.usage.output_tokens == generated < 200
     assert day_used(endpoints, "resp-cancel") == cancelled.usage.total_tokens
     worker = placed_on(endpoints, request_id)
-    until(lambda: heartbeat(endpoints, "slow", worker).running == 0, 10, "the engine reported idle")
+    until(lambda: running_on(endpoints, "slow", worker) == 0, 10, "the engine reported idle")
     # Cancelling again, or after the end, returns it as it is.
     assert client.responses.cancel(created.id).status == "cancelled"
 

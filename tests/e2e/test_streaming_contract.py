@@ -18,7 +18,7 @@ from openai_api.openai_types import ChatMessage
 from openai_api.tokenizer import ByteTokenizer
 from queue_schemas.errors import ErrorCode
 from queue_schemas.messages import ErrorChunk, InferenceRequest, SamplingParams, TokenChunk
-from tests.e2e.conftest import day_used, heartbeat, openai_client, placed_on, team_key, terminal_log
+from tests.e2e.conftest import day_used, openai_client, placed_on, running_on, team_key, terminal_log
 from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(90)
@@ -204,7 +204,7 @@ def test_disconnect_aborts_the_engine_and_charges_only_what_was_generated(endpoi
     assert day_used(endpoints, "disconnect") == len(prompt) + generated
     # The worker that served it (the scaler may have replaced the pool's first worker by now).
     worker = placed_on(endpoints, request_id)
-    until(lambda: heartbeat(endpoints, "slow", worker).running == 0, 10, "the engine reported idle")
+    until(lambda: running_on(endpoints, "slow", worker) == 0, 10, "the engine reported idle")
 
 
 def test_prompt_tokens_come_from_the_pool_tokenizer(endpoints: Endpoints, tiny_tokenizer: object) -> None:
