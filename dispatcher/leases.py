@@ -104,7 +104,9 @@ class Leases:
         raw = await self._redis.mget([self.key(p) for p in partitions]) if partitions else []
         owners = {p: o.decode() if isinstance(o, bytes) else o for p, o in zip(partitions, raw, strict=True)}
         decided = plan(partitions, owners, self.me, live)
-        actions = [(p, "renew") for p in partitions if owners[p] == self.me and p not in releasing]
+        # Its own leases are claimed again, not only renewed: one that lapsed since the read (a stalled
+        # loop) and that nobody took stays with this dispatcher, its consumer's place and holds intact.
+        actions = [(p, "claim") for p in partitions if owners[p] == self.me and p not in releasing]
         actions += [(p, "claim") for p in decided.claim if p not in releasing]
         actions += [(p, "release") for p in releasing]
         if not actions:
