@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from infra.batch_file import request_id_for
 from infra.keys import create_signing_key
 from plumbing.clients import redis_client
 from queue_schemas.settings import BusSettings
@@ -73,6 +74,24 @@ async def keys_on(settings: BusSettings, topic: str) -> Counter[bytes]:
     return await keys_to_end(settings.kafka_bootstrap, topic)
 
 
+async def whereabouts(settings: BusSettings, redis: Any, source: Path, output: Path) -> str:
+    """For each valid line without an answer: how often its request is on the batch topic, and its
+    placement and started records in Redis."""
+    answered = {str(line["custom_id"]) for line in output_lines(output)}
+    state = json.loads(output.with_name(output.name + ".state.json").read_text())
+    missing = [i for i in range(LINES) if i not in MALFORMED and f"c{i}" not in answered]
+    on_topic = await keys_on(settings, settings.names.batch_topic("sim"))
+    said = []
+    for i in missing[:5]:
+        rid = request_id_for(state["batch_id"], i)
+        placed = await redis.get(settings.names.placement(rid))
+        started = await redis.get(settings.names.started(rid))
+        said.append(
+            f"c{i} ({rid}): on the topic {on_topic[rid.encode()]}x, placed {placed!r}, started {started!r}"
+        )
+    return f"{len(missing)} lines unanswered: " + "; ".join(said)
+
+
 async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_submitter(
     bus: Bus, tmp_path: Path
 ) -> None:
@@ -115,9 +134,12 @@ async def test_a_thousand_lines_survive_a_dispatcher_kill_and_an_interrupted_sub
         # Records on the reply topic that are not answers: the collector dead-letters them and goes on.
         await produce(settings, [(names.results_topic("acme"), p) for p in POISON])
 
-        second = await asyncio.to_thread(
-            subprocess.run, cli, env=services.env, capture_output=True, text=True, timeout=180
-        )
+        try:
+            second = await asyncio.to_thread(
+                subprocess.run, cli, env=services.env, capture_output=True, text=True, timeout=180
+            )
+        except subprocess.TimeoutExpired as exc:  # say where each line still unanswered got to
+            raise AssertionError(await whereabouts(settings, redis, source, output)) from exc
         assert second.returncode == 0, second.stdout + second.stderr
         assert f"{LINES - 4} completed, 4 failed, 0 pending" in second.stdout
 
