@@ -18,7 +18,6 @@ from queue_schemas.errors import SchemaError
 from queue_schemas.messages import POOL_STATE_STALE_S, PoolState
 from queue_schemas.names import Names
 
-STALE_AFTER_S = POOL_STATE_STALE_S
 CACHE_S = 0.5
 OVERLOADED_RETRY_S = 2
 NO_WORKERS_RETRY_S = 10
@@ -30,7 +29,7 @@ def pool_refusal(pool: PoolConfig, state: PoolState | None, now: float) -> ApiEr
     A pool with no replica up still admits requests when the scaler can start one for them (its
     minimum is above zero, or it scales from zero on demand); they wait up to the queue timeout.
     """
-    if state is None or now - state.updated_at > STALE_AFTER_S:
+    if state is None or now - state.updated_at > POOL_STATE_STALE_S:
         return None
     if state.ready + state.starting == 0 and not pool.scaling.can_activate:
         return ServiceUnavailable(

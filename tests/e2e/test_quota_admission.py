@@ -14,7 +14,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from infra.devstack import Endpoints
-from ingress.pool_gate import STALE_AFTER_S
+from queue_schemas.messages import POOL_STATE_STALE_S
 from queue_schemas.teams import TeamLimits
 from tests.e2e.conftest import day_used, openai_client, pool_state, team_key
 from tests.e2e.test_streaming_contract import chat_prompt_ids
@@ -103,10 +103,10 @@ def test_concurrent_requests_never_exceed_the_daily_budget(endpoints: Endpoints)
 
 def test_pool_without_workers_is_refused_quickly(endpoints: Endpoints) -> None:
     def fresh_state() -> bool:
-        # The gate stays open while the scaler has said nothing of the pool (or not for STALE_AFTER_S):
+        # The gate stays open while the scaler has said nothing of the pool (or not for POOL_STATE_STALE_S):
         # a request admitted then would wait in the queue, so the test waits for a recent state first.
         state = pool_state(endpoints, "empty")
-        return state is not None and time.time() - state.updated_at < STALE_AFTER_S / 2
+        return state is not None and time.time() - state.updated_at < POOL_STATE_STALE_S / 2
 
     until(fresh_state, 60, "the scaler publishes the empty pool's state")
     url = endpoints.url + "/v1/chat/completions"

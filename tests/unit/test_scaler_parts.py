@@ -2,9 +2,9 @@
 
 import pytest
 
-from ingress.pool_gate import STALE_AFTER_S, pool_refusal
+from ingress.pool_gate import pool_refusal
 from queue_schemas.config import PoolConfig, ScalingConfig
-from queue_schemas.messages import Heartbeat, WorkerState
+from queue_schemas.messages import POOL_STATE_STALE_S, Heartbeat, WorkerState
 from scaler.backends import next_worker_id, pick_to_drain
 from scaler.burrow import LagWindow, Status, partition_status, pool_status
 from scaler.lag import pool_lag, pool_state, pool_state_ttl_ms
@@ -117,9 +117,9 @@ def test_a_pool_state_outlives_every_age_the_gate_counts_fresh(tick_s: float) ->
     state = pool_state(lag, [], now=0.0)
     ttl_s = pool_state_ttl_ms(tick_s) / 1000
     assert ttl_s >= 3 * tick_s
-    for age in (0.5 * STALE_AFTER_S, STALE_AFTER_S):  # a round may run long past its tick
+    for age in (0.5 * POOL_STATE_STALE_S, POOL_STATE_STALE_S):  # a round may run long past its tick
         refusal = pool_refusal(disabled, state, now=age)
         assert refusal is not None, age
         assert refusal.code == "no_workers"
         assert age < ttl_s, f"the key is gone at {age} s while its state is fresh"
-    assert pool_refusal(disabled, state, now=STALE_AFTER_S + 0.1) is None  # stale: nothing known, open
+    assert pool_refusal(disabled, state, now=POOL_STATE_STALE_S + 0.1) is None  # stale: nothing known, open
