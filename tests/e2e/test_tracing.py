@@ -31,6 +31,7 @@ from tests.waiting import until
 pytestmark = pytest.mark.timeout(420)
 
 MODEL = "sluice-sim"
+CHAT_ROOT = "POST /v1/chat/completions"  # the ingress's server span of a chat completion
 WORDS = 60
 POOLS = f"""
 [[pools]]
@@ -122,8 +123,7 @@ def test_a_streamed_chat_is_one_trace_from_admission_to_the_last_token(
     request_id, text = stream_chat(dev_run, "trace me", max_tokens=40)
     assert text
     # Every span asserted on below: each service exports in batches, so one may come a batch later.
-    root_name = "POST /v1/chat/completions"
-    named = has(root_name, "admission", "relay", "placement", "inbox", "generate", "prefill", "decode")
+    named = has(CHAT_ROOT, "admission", "relay", "placement", "inbox", "generate", "prefill", "decode")
     spans = wait_spans(sink, request_id, lambda s: named(s) and {PRODUCER, CONSUMER} <= {x.kind for x in s})
     assert len({s.trace_id for s in spans}) == 1, "one trace"
     by_id = {s.span_id: s for s in spans}
@@ -133,7 +133,7 @@ def test_a_streamed_chat_is_one_trace_from_admission_to_the_last_token(
         return by_id[span.parent_id]
 
     (root,) = [s for s in spans if s.parent_id is None]
-    assert (root.service, root.kind, root.name) == ("sluice-ingress", SERVER, "POST /v1/chat/completions")
+    assert (root.service, root.kind, root.name) == ("sluice-ingress", SERVER, CHAT_ROOT)
     assert root.attributes["sluice.request_id"] == request_id
     assert root.attributes["sluice.team"] == "dev"
     assert root.attributes["http.response.status_code"] == 200
@@ -188,7 +188,7 @@ def test_a_client_traceparent_is_kept(dev_run: DevRun, sink: OtlpSink) -> None:
     )
     assert reply.status_code == 200, reply.text
     request_id = reply.json()["id"].removeprefix("chatcmpl-")
-    spans = wait_spans(sink, request_id, has("relay", "decode", "POST /v1/chat/completions"))
+    spans = wait_spans(sink, request_id, has("relay", "decode", CHAT_ROOT))
     assert {s.trace_id for s in spans} == {trace_id}
     (root,) = [s for s in spans if s.kind == SERVER]
     assert root.parent_id == parent_id
@@ -201,9 +201,7 @@ def test_a_malformed_traceparent_starts_a_new_trace(dev_run: DevRun, sink: OtlpS
         dev_run.env["SLUICE_URL"] + "/v1/chat/completions", json=body, headers=headers, timeout=60
     )
     assert reply.status_code == 200, reply.text
-    spans = wait_spans(
-        sink, reply.json()["id"].removeprefix("chatcmpl-"), has("relay", "POST /v1/chat/completions")
-    )
+    spans = wait_spans(sink, reply.json()["id"].removeprefix("chatcmpl-"), has("relay", CHAT_ROOT))
     (root,) = [s for s in spans if s.kind == SERVER]
     assert root.parent_id is None
 
